@@ -1,0 +1,194 @@
+"""``ShardingPlan``: the FSDP2 layout of a model read into plain data.
+
+Everything the capture needs to reproduce FSDP2's eager semantics in one graph: the FSDP groups in
+module pre-order, each group's parameters (by FQN), its process group, ``reshard_after_forward`` and
+mixed-precision policy, and the gradient reduction FSDP2 would use. Options that the capture does
+not implement yet are rejected here with ``NotImplementedError`` naming the option, before any trace.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import _get_gradient_divide_factors
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Shard
+
+from fsdp_compile.ops import padded_rows
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamPlan:
+    fqn: str  # first FQN in ``model.named_parameters()``; tied aliases resolve to it
+    full_shape: tuple[int, ...]
+    local_rows: int  # this rank's unpadded dim-0 rows (0 for ranks past the end)
+    orig_dtype: torch.dtype
+    requires_grad: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupPlan:
+    """One FSDP parameter group: one all-gather in forward, one reduce-scatter in backward (as eager)."""
+
+    fqn: str  # the FSDP module's FQN ("" for the root)
+    params: tuple[ParamPlan, ...]
+    group_name: str  # c10d process group name used by the functional collectives
+    world_size: int
+    rank: int
+    reshard_after_forward: bool  # re-gather in backward (True) or keep unsharded params for it
+    param_dtype: torch.dtype | None  # all-gather / compute dtype (None: the parameter's own)
+    reduce_dtype: torch.dtype | None  # reduce-scatter dtype (None: the gradient's)
+    reduce_op: str  # "avg" | "sum" | "premul_sum"
+    pre_factor: float | None  # divisor before a "sum", multiplier for "premul_sum"
+    post_factor: float | None  # divisor after the reduce-scatter
+
+    @property
+    def unsharded_bytes(self) -> int:
+        size = 0
+        for p in self.params:
+            dtype = self.param_dtype or p.orig_dtype
+            numel = padded_rows(p.full_shape[0], self.world_size) * self.world_size
+            for s in p.full_shape[1:]:
+                numel *= s
+            size += numel * dtype.itemsize
+        return size
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingPlan:
+    groups: tuple[GroupPlan, ...]
+
+    @property
+    def param_fqns(self) -> list[str]:
+        return [p.fqn for g in self.groups for p in g.params]
+
+    def group(self, fqn: str) -> GroupPlan:
+        for g in self.groups:
+            if g.fqn == fqn:
+                return g
+        raise KeyError(f"no FSDP module {fqn!r}; FSDP modules: {[g.fqn for g in self.groups]}")
+
+
+def fsdp_states(model: nn.Module):
+    """``(fqn, module, state)`` for every module sharded by ``fully_shard``, in pre-order."""
+    out = []
+    for fqn, module in model.named_modules():
+        if isinstance(module, FSDPModule):
+            out.append((fqn, module, module._get_fsdp_state()))
+    return out
+
+
+def lazy_init(model: nn.Module) -> None:
+    """Run FSDP2's lazy init eagerly (it normally runs in the first forward's pre-hook)."""
+    states = fsdp_states(model)
+    if not states:
+        raise ValueError(
+            f"{type(model).__name__} has no module sharded by fully_shard: call "
+            "fsdp_compile.fully_shard (or torch.distributed.fsdp.fully_shard) on each block and then on "
+            "the root before fsdp_compile.compile"
+        )
+    outer: list[str] = []
+    for fqn, _, state in states:  # pre-order: an outermost FSDP module comes before its children
+        if not any(o == "" or fqn == o or fqn.startswith(o + ".") for o in outer):
+            state._lazy_init()  # idempotent; makes this state the root of its subtree, as its forward would
+            outer.append(fqn)
+
+
+def read_plan(model: nn.Module) -> ShardingPlan:
+    lazy_init(model)
+    canonical = {}
+    for name, p in model.named_parameters():  # remove_duplicate=True: tied params keep one FQN
+        canonical.setdefault(p, name)
+    groups = []
+    devices = set()
+    for fqn, module, state in fsdp_states(model):
+        param_groups = state._fsdp_param_groups
+        if len(param_groups) > 1:
+            raise NotImplementedError(
+                f"FSDP module {fqn!r} has {len(param_groups)} parameter groups (per-parameter meshes from "
+                "shard_placement_fn): not supported under fsdp_compile.compile yet"
+            )
+        if len(state._modules) > 1:
+            raise NotImplementedError(
+                f"fully_shard([m1, m2, ...]) on several modules at once ({fqn!r}) is not supported under "
+                "fsdp_compile.compile yet; shard each module separately (tied parameters may live in their "
+                "common parent's group)"
+            )
+        if not param_groups:
+            continue
+        pg = param_groups[0]
+        groups.append(_read_group(fqn, pg, canonical))
+        devices.add(pg.device)
+    if len(devices) > 1:
+        raise ValueError(f"FSDP groups live on different devices {sorted(map(str, devices))}; use one device per rank")
+    if not groups:
+        raise ValueError("the model's FSDP modules manage no parameters: nothing to shard or compile")
+    return ShardingPlan(tuple(groups))
+
+
+def _read_group(fqn: str, pg, canonical: dict) -> GroupPlan:
+    where = f"FSDP module {fqn or '<root>'!r}"
+    if isinstance(pg.offload_policy, CPUOffloadPolicy):
+        raise NotImplementedError(f"{where}: offload_policy=CPUOffloadPolicy() is not supported under fsdp_compile.compile yet")
+    if pg._is_hsdp:
+        raise NotImplementedError(f"{where}: HSDP (a 2-D replicate x shard mesh) is not supported under fsdp_compile.compile yet")
+    if pg._use_post_forward_mesh:
+        raise NotImplementedError(
+            f"{where}: an int reshard_after_forward (resharding to a smaller mesh) is not supported under "
+            "fsdp_compile.compile yet; use True or False"
+        )
+    if pg._all_reduce_hook is not None:
+        raise NotImplementedError(f"{where}: set_all_reduce_hook is not supported under fsdp_compile.compile yet")
+    group = pg._all_gather_process_group
+    if group is not pg._reduce_scatter_process_group:
+        raise NotImplementedError(f"{where}: a separate reduce-scatter process group is not supported yet")
+    world_size = group.size()
+    params = []
+    for fp in pg.fsdp_params:
+        param = fp.sharded_param
+        where_p = f"parameter {canonical.get(param, fp._param_fqn)!r}"
+        if not isinstance(param, DTensor) or fp.fsdp_placement != Shard(0):
+            raise NotImplementedError(f"{where_p}: only Shard(0) placements are supported (got {fp.fsdp_placement})")
+        if getattr(fp, "_extensions_data", None) is not None and hasattr(fp._sharded_local_tensor, "fsdp_pre_all_gather"):
+            raise NotImplementedError(f"{where_p}: tensor subclasses with fsdp_pre_all_gather are not supported yet")
+        if param not in canonical:
+            raise ValueError(f"{where_p} is managed by FSDP but not reachable by model.named_parameters()")
+        local = param.to_local()
+        full = tuple(param.shape)
+        expected = max(0, min(padded_rows(full[0], world_size), full[0] - group.rank() * padded_rows(full[0], world_size)))
+        if local.shape[0] != expected or tuple(local.shape[1:]) != full[1:]:
+            raise ValueError(f"{where_p}: local shard {tuple(local.shape)} does not match FSDP2's dim-0 layout of {full} over {world_size} ranks")
+        params.append(ParamPlan(canonical[param], full, local.shape[0], param.dtype, param.requires_grad))
+    trainable = [p for p in pg.fsdp_params if p.sharded_param.requires_grad]
+    param_dtype = next((p.param_dtype for p in pg.fsdp_params if p.param_dtype is not None), None)
+    grad_dtype = param_dtype or (trainable[0].orig_dtype if trainable else None)
+    reduce_dtype = pg._reduce_dtype or grad_dtype
+    pre = post = None
+    reduce_op_name = "sum"
+    if reduce_dtype is not None:
+        pre, post, op, _ = _get_gradient_divide_factors(
+            group, None, reduce_dtype, pg.device.type, pg.gradient_divide_factor, pg.force_sum_reduction_for_comms
+        )
+        if op == dist.ReduceOp.AVG:
+            reduce_op_name = "avg"
+        elif op == dist.ReduceOp.SUM:
+            reduce_op_name = "sum"
+        else:  # PREMUL_SUM(1 / factor): FSDP2's custom gradient_divide_factor
+            reduce_op_name, pre = "premul_sum", 1.0 / pg.gradient_divide_factor
+    return GroupPlan(
+        fqn=fqn,
+        params=tuple(params),
+        group_name=group.group_name,
+        world_size=world_size,
+        rank=group.rank(),
+        reshard_after_forward=pg._reshard_after_forward,
+        param_dtype=param_dtype,
+        reduce_dtype=reduce_dtype,
+        reduce_op=reduce_op_name,
+        pre_factor=pre,
+        post_factor=post,
+    )

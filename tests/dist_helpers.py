@@ -1,0 +1,95 @@
+"""Run a test body on N real gloo ranks (127.0.0.1), or on the fake process group in-process.
+
+``run_ranks(fn, world_size, *args)`` spawns one process per rank, initializes gloo through a FileStore
+(no port races between concurrent tests), bounds every collective by ``pg_timeout`` and the whole run by
+``timeout``, re-raises the first failing rank's traceback in the caller, and never leaves a process
+behind. ``fn`` must be a module-level function (it is pickled by reference); it gets ``(rank, world_size,
+*args)`` and its return value, which must be picklable, is returned per rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import queue
+import tempfile
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+class RankFailure(AssertionError):
+    pass
+
+
+def _worker(rank, world_size, store_path, pg_timeout, fn, args, results):
+    try:
+        os.environ["GLOO_SOCKET_IFNAME"] = os.environ.get("GLOO_SOCKET_IFNAME", "lo")
+        torch.set_num_threads(1)
+        store = dist.FileStore(store_path, world_size)
+        dist.init_process_group(
+            "gloo", store=store, rank=rank, world_size=world_size,
+            timeout=datetime.timedelta(seconds=pg_timeout),
+        )
+        try:
+            out = fn(rank, world_size, *args)
+        finally:
+            dist.destroy_process_group()
+        results.put((rank, "ok", out))
+    except BaseException:  # noqa: BLE001 - reported to the parent with the traceback
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def run_ranks(fn, world_size: int, *args, timeout: float = 300.0, pg_timeout: float = 120.0):
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        store_path = os.path.join(tmp, "store")
+        procs = [
+            ctx.Process(target=_worker, args=(r, world_size, store_path, pg_timeout, fn, args, results), daemon=True)
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        outs: dict[int, object] = {}
+        try:
+            import time
+
+            deadline = time.monotonic() + timeout
+            while len(outs) < world_size:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(f"{fn.__name__} on {world_size} ranks did not finish in {timeout:.0f} s")
+                try:
+                    rank, status, payload = results.get(timeout=min(remaining, 1.0))
+                except queue.Empty:
+                    dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in outs]
+                    if dead:
+                        raise RankFailure(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}")
+                    continue
+                if status == "error":
+                    raise RankFailure(f"rank {rank} failed:\n{payload}")
+                outs[rank] = payload
+        finally:
+            for p in procs:
+                p.join(timeout=5)
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                    p.join(timeout=5)
+    return [outs[r] for r in range(world_size)]
+
+
+@contextlib.contextmanager
+def fake_process_group(world_size: int, rank: int = 0):
+    """The fake process group: collectives are no-ops, no other process needed (world sizes up to 1024+)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
