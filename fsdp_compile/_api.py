@@ -6,12 +6,21 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import fully_shard as _torch_fully_shard
 
+import contextlib
+import itertools
+import types
+
+from torch.utils._pytree import tree_flatten
+
 from fsdp_compile import capture
 from fsdp_compile.backend import CapturedGraphs, make_backend
 from fsdp_compile.config import CompileConfig
 from fsdp_compile.plan import ShardingPlan, read_plan
+from fsdp_compile.report import Bucket, Report, count_collectives
 
-__all__ = ["fully_shard", "compile", "CompiledFSDPModule"]
+__all__ = ["fully_shard", "compile", "explain", "CompiledFSDPModule"]
+
+_instances = itertools.count()
 
 
 def fully_shard(module, **kwargs):
@@ -35,20 +44,18 @@ class CompiledFSDPModule(nn.Module):
     eagerly with FSDP2's own hooks.
     """
 
-    def __init__(self, model: nn.Module, plan: ShardingPlan, config: CompileConfig):
+    def __init__(self, model: nn.Module, plan: ShardingPlan, config: CompileConfig, *, codegen: bool = True):
         super().__init__()
         self._orig_mod = model
         self.plan = plan
         self.config = config
         self.captured = CapturedGraphs()
         by_name = dict(model.named_parameters())
-        self._group_params = [[by_name[p.fqn] for p in g.params] for g in plan.groups]
+        group_params = [[by_name[p.fqn] for p in g.params] for g in plan.groups]
+        step = _unique_code(_make_step(model, plan, group_params), f"fsdp_compile_step_{next(_instances)}")
         self._compiled = torch.compile(
-            self._step, backend=make_backend(config, plan, self.captured), fullgraph=True
+            step, backend=make_backend(config, plan, self.captured, codegen=codegen), fullgraph=True
         )
-
-    def _step(self, *args, **kwargs):
-        return capture.traced_forward(self._orig_mod, self.plan, self._group_params, args, kwargs)
 
     def forward(self, *args, **kwargs):
         with capture.active():
@@ -80,6 +87,24 @@ class CompiledFSDPModule(nn.Module):
             return getattr(self._orig_mod, name)
 
 
+def _make_step(model, plan, group_params):
+    def step(*args, **kwargs):
+        return capture.traced_forward(model, plan, group_params, args, kwargs)
+
+    return step
+
+
+def _unique_code(fn, name: str):
+    """A copy of ``fn`` with its own code object.
+
+    Dynamo keeps its compiled entries (and its recompile limit, 8 by default) per code object; each
+    compiled model gets its own, so one process can hold many compiled models (benchmarks compare
+    several) without their guards evicting each other.
+    """
+    code = fn.__code__.replace(co_name=name, co_qualname=name)
+    return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
+
+
 def compile(model: nn.Module, config: CompileConfig | None = None, **overrides) -> CompiledFSDPModule:
     """Capture ``model`` (sharded by ``fully_shard``) as one forward graph and one backward graph.
 
@@ -88,16 +113,89 @@ def compile(model: nn.Module, config: CompileConfig | None = None, **overrides) 
     """
     if isinstance(model, CompiledFSDPModule):
         raise TypeError("this model is already compiled by fsdp_compile.compile; pass the original module")
-    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
-        raise TypeError(
-            "got a torch.compile'd module; pass the uncompiled fully_shard model to fsdp_compile.compile "
-            "(it calls torch.compile itself)"
-        )
-    config = (config or CompileConfig()).replace(**overrides) if overrides else (config or CompileConfig())
-    _check_supported(config)
+    config = _resolve_config(model, config, overrides)
     plan = read_plan(model)
     capture.install_hooks(model)
     return CompiledFSDPModule(model, plan, config)
+
+
+def explain(model: nn.Module, *example_args, config: CompileConfig | None = None, **example_kwargs) -> Report:
+    """Capture forward and backward once on the example inputs and report what the compiler sees.
+
+    No training step happens: parameter values, ``.grad``, buffers and the RNG state are restored
+    afterwards. The graphs are the ones ``compile`` would hand to the configured backend (with
+    Inductor's decompositions when ``backend="inductor"``), but no code is generated, so this is fast.
+    Collectives run for real on a real process group (call it on every rank) and are no-ops on the
+    fake one.
+    """
+    if isinstance(model, CompiledFSDPModule):
+        config, model = config or model.config, model._orig_mod
+    config = _resolve_config(model, config, {})
+    plan = read_plan(model)
+    capture.install_hooks(model)
+    compiled = CompiledFSDPModule(model, plan, config, codegen=False)
+    from torch._dynamo.utils import counters
+
+    breaks_before = sum(counters["graph_break"].values())
+    with _preserved_state(model):
+        out = compiled(*example_args, **example_kwargs)
+        leaves = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if leaves:
+            torch.stack([t.float().sum() for t in leaves]).sum().backward()
+    fw, bw = count_collectives(compiled.captured.forward), count_collectives(compiled.captured.backward)
+    return Report(
+        graph_breaks=sum(counters["graph_break"].values()) - breaks_before,
+        recompiles=max(0, len(compiled.captured.dynamo) - 1),
+        dynamo_graphs=len(compiled.captured.dynamo),
+        all_gathers=fw["all_gathers"] + bw["all_gathers"],
+        reduce_scatters=fw["reduce_scatters"] + bw["reduce_scatters"],
+        all_reduces=fw["all_reduces"] + bw["all_reduces"],
+        forward=fw,
+        backward=bw,
+        buckets=[
+            Bucket(groups=[g.fqn], params=[p.fqn for p in g.params], bytes=g.unsharded_bytes) for g in plan.groups
+        ],
+        backend=config.backend,
+    )
+
+
+@contextlib.contextmanager
+def _preserved_state(model: nn.Module):
+    params = list(model.parameters())
+    grads = [p.grad for p in params]
+    values = [p.detach().clone() for p in params]
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    for p in params:
+        p.grad = None
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for p, g, v in zip(params, grads, values):
+                p.grad = g
+                p.copy_(v)
+            for b, v in buffers:
+                b.copy_(v)
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+
+
+def _resolve_config(model: nn.Module, config: CompileConfig | None, overrides: dict) -> CompileConfig:
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        raise TypeError(
+            "got a torch.compile'd module; pass the uncompiled fully_shard model (fsdp_compile calls "
+            "torch.compile itself)"
+        )
+    if config is not None and not isinstance(config, CompileConfig):
+        raise TypeError(f"config must be a fsdp_compile.CompileConfig, got {type(config).__name__}")
+    config = config or CompileConfig()
+    if overrides:
+        config = config.replace(**overrides)
+    _check_supported(config)
+    return config
 
 
 def _check_supported(config: CompileConfig) -> None:

@@ -62,7 +62,9 @@ class _JointTagPass(CustomGraphPass):
         return hashlib.sha256(repr(sorted(self.reshard.items())).encode()).digest()
 
 
-def make_backend(config: CompileConfig, plan: ShardingPlan, captured: CapturedGraphs) -> Callable:
+def make_backend(config: CompileConfig, plan: ShardingPlan, captured: CapturedGraphs, codegen: bool = True) -> Callable:
+    """``codegen=False`` (``explain``) stops after our passes: the graphs are what the configured backend
+    would receive (Inductor's decompositions included), but nothing is generated."""
     reshard = {g.fqn: g.reshard_after_forward for g in plan.groups}
 
     def record(kind: str, gm: torch.fx.GraphModule) -> None:
@@ -70,14 +72,19 @@ def make_backend(config: CompileConfig, plan: ShardingPlan, captured: CapturedGr
 
     def backend(gm: torch.fx.GraphModule, example_inputs):
         record("dynamo", gm)
-        if config.backend == "aot_eager":
-            return _aot_eager(gm, example_inputs, reshard, record)
-        return _inductor(gm, example_inputs, reshard, record)
+        if config.backend == "inductor" and codegen:
+            return _inductor(gm, example_inputs, reshard, record)
+        decompositions = DECOMPOSITIONS
+        if config.backend == "inductor":
+            from torch._inductor.decomposition import select_decomp_table
+
+            decompositions = {**select_decomp_table(), **DECOMPOSITIONS}
+        return _aot_eager(gm, example_inputs, reshard, record, decompositions)
 
     return backend
 
 
-def _aot_eager(gm, example_inputs, reshard, record):
+def _aot_eager(gm, example_inputs, reshard, record, decompositions):
     def partition(joint, joint_inputs, **kwargs):
         tag_unshard_recompute(joint.graph, reshard)
         return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
@@ -95,7 +102,7 @@ def _aot_eager(gm, example_inputs, reshard, record):
         fw_compiler=compiler("forward"),
         bw_compiler=compiler("backward"),
         partition_fn=partition,
-        decompositions=DECOMPOSITIONS,
+        decompositions=decompositions,
         keep_inference_input_mutations=True,
     )(gm, example_inputs)
 

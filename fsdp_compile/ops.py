@@ -104,16 +104,7 @@ def reduce_scatter_grads_impl(
     group_fqn: str,
 ) -> list[Tensor]:
     with fx_traceback.annotate({META_KEY: {"kind": "reduce_scatter", "group": group_fqn}}):
-        # packed: [W * sum(n_i)]; rank r's chunk holds rows [r*c_i, (r+1)*c_i) of every grad i
-        chunks = []
-        for g in grads:
-            d = g.shape[0]
-            c = padded_rows(d, world_size)
-            x = g.to(reduce_dtype)
-            if world_size * c != d:
-                x = torch.constant_pad_nd(x, [0, 0] * (x.dim() - 1) + [0, world_size * c - d])
-            chunks.append(x.reshape(world_size, -1))
-        packed = torch.cat(chunks, dim=1).reshape(-1) if len(chunks) > 1 else chunks[0].reshape(-1)
+        packed = _pack_grads(grads, world_size, reduce_dtype)
         if reduce_op == "premul_sum":  # NCCL's PREMUL_SUM: scale each input, then sum
             packed, reduce_op = packed * pre_factor, "sum"
         elif pre_factor is not None:
@@ -124,17 +115,35 @@ def reduce_scatter_grads_impl(
             reduced = packed.clone()
         if post_factor is not None:
             reduced = reduced / post_factor
-        outs, offset = [], 0
-        for g, rows in zip(grads, local_rows):
-            c = padded_rows(g.shape[0], world_size)
-            tail = tuple(g.shape[1:])
-            n = c * _prod(tail)
-            shard = reduced[offset : offset + n].view(c, *tail)
-            if rows != c:
-                shard = shard[:rows]
-            outs.append(shard.to(orig_dtype))
-            offset += n
-        return outs
+        return _unpack_grads(reduced, grads, local_rows, world_size, orig_dtype)
+
+
+def _pack_grads(grads: Sequence[Tensor], world_size: int, dtype: torch.dtype) -> Tensor:
+    # packed: [W * sum(n_i)]; rank r's chunk holds rows [r*c_i, (r+1)*c_i) of every grad i (FSDP2's chunk_cat)
+    chunks = []
+    for g in grads:
+        d = g.shape[0]
+        c = padded_rows(d, world_size)
+        x = g.to(dtype)
+        if world_size * c != d:
+            x = torch.constant_pad_nd(x, [0, 0] * (x.dim() - 1) + [0, world_size * c - d])
+        chunks.append(x.reshape(world_size, -1))
+    return torch.cat(chunks, dim=1).reshape(-1) if len(chunks) > 1 else chunks[0].reshape(-1)
+
+
+def _unpack_grads(reduced: Tensor, grads, local_rows, world_size: int, dtype: torch.dtype) -> list[Tensor]:
+    # reduced: [sum(n_i)], this rank's chunk; returns each shard gradient with its unpadded local rows
+    outs, offset = [], 0
+    for g, rows in zip(grads, local_rows):
+        c = padded_rows(g.shape[0], world_size)
+        tail = tuple(g.shape[1:])
+        n = c * _prod(tail)
+        shard = reduced[offset : offset + n].view(c, *tail)
+        if rows != c:
+            shard = shard[:rows]
+        outs.append(shard.to(dtype))
+        offset += n
+    return outs
 
 
 @torch.library.custom_op("fsdp_compile::unshard", mutates_args=())

@@ -162,10 +162,11 @@ class FrozenBuffers(nn.Module):
         return self.head(h)
 
 
-def shard(model: nn.Module, blocks, **fsdp_kwargs) -> nn.Module:
+def shard(model: nn.Module, blocks, root_kwargs: dict | None = None, **fsdp_kwargs) -> nn.Module:
+    """``fully_shard`` each block, then the root (with ``root_kwargs`` overriding ``fsdp_kwargs``)."""
     from torch.distributed.fsdp import fully_shard
 
     for b in blocks:
         fully_shard(b, **fsdp_kwargs)
-    fully_shard(model, **fsdp_kwargs)
+    fully_shard(model, **{**fsdp_kwargs, **(root_kwargs or {})})
     return model

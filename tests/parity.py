@@ -1,0 +1,136 @@
+"""Eager ``fully_shard`` versus ``fsdp_compile.compile`` on the same seed, data and optimizer.
+
+``run_case`` builds two identical sharded models, trains one eagerly and one compiled for a few steps,
+and returns per-step losses and the largest differences of gradients and updated shards. Used by the
+multi-rank tests (inside spawned gloo ranks) and by the demo.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from models import FrozenBuffers, Llama, LlamaArgs, OddMLP, shard
+
+MP = {
+    None: None,
+    "bf16": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+    "bf16_reduce_bf16": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16),
+    "fp16": MixedPrecisionPolicy(param_dtype=torch.float16),  # fp16 reduce: FSDP2's pre/post divide
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    model: str = "llama"  # llama | llama_tied | odd | frozen
+    reshard: bool | None = None  # None: fully_shard's default (True, root kept unsharded)
+    mp: str | None = None
+    backend: str = "aot_eager"
+    steps: int = 3
+    accum: int = 1  # micro-batches per optimizer step (gradient accumulation)
+    n_layers: int = 2
+
+    @property
+    def name(self) -> str:
+        parts = [self.model, f"reshard={self.reshard}", f"mp={self.mp}", self.backend]
+        if self.accum > 1:
+            parts.append(f"accum={self.accum}")
+        return "-".join(parts)
+
+
+def build(case: Case):
+    torch.manual_seed(0)
+    if case.model.startswith("llama"):
+        m = Llama(LlamaArgs(n_layers=case.n_layers, tie_embeddings=case.model == "llama_tied"))
+        blocks = m.layers
+    elif case.model == "odd":
+        m, blocks = OddMLP(), None
+        blocks = m.blocks
+    elif case.model == "frozen":
+        m = FrozenBuffers()
+        blocks = m.blocks
+    else:
+        raise ValueError(case.model)
+    kwargs = {}
+    if case.reshard is not None:
+        kwargs["reshard_after_forward"] = case.reshard
+    root_kwargs = {}
+    if MP[case.mp] is not None:
+        kwargs["mp_policy"] = MP[case.mp]
+        # the root casts its output back to fp32, as a training loop with a bf16 model wants
+        root_kwargs["mp_policy"] = dataclasses.replace(MP[case.mp], output_dtype=torch.float32)
+    return shard(m, blocks, root_kwargs, **kwargs)
+
+
+def batch(case: Case, step: int, rank: int):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    if case.model.startswith("llama"):
+        return torch.randint(0, 256, (2, 16), generator=g)
+    if case.model == "odd":
+        return torch.randn(4, 6, generator=g)
+    return torch.randint(0, 32, (2, 8), generator=g)
+
+
+def loss_fn(case: Case, out, inp):
+    if case.model.startswith("llama"):
+        return F.cross_entropy(out.flatten(0, 1).float(), inp.flatten())
+    return out.float().pow(2).mean()
+
+
+def max_diff(xs, ys) -> float:
+    d = 0.0
+    for x, y in zip(xs, ys):
+        if x is None or y is None:
+            if (x is None) != (y is None):
+                return float("inf")
+            continue
+        x, y = x.to_local() if hasattr(x, "to_local") else x, y.to_local() if hasattr(y, "to_local") else y
+        if x.numel():
+            d = max(d, (x.float() - y.float()).abs().max().item())
+    return d
+
+
+def run_case(case: Case, rank: int, world_size: int) -> dict:
+    import fsdp_compile as fc
+
+    eager, comp = build(case), build(case)
+    compiled = fc.compile(comp, backend=case.backend)
+    opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-2)
+    opt_c = torch.optim.AdamW(compiled.parameters(), lr=1e-2)
+    out = {"loss_eager": [], "loss_compiled": [], "grad_diff": [], "param_diff": []}
+    for step in range(case.steps):
+        for micro in range(case.accum):
+            x = batch(case, step * case.accum + micro, rank)
+            le = loss_fn(case, eager(x), x)
+            le.backward()
+            lc = loss_fn(case, compiled(x), x)
+            lc.backward()
+        out["loss_eager"].append(le.item())
+        out["loss_compiled"].append(lc.item())
+        out["grad_diff"].append(max_diff([p.grad for p in eager.parameters()], [p.grad for p in comp.parameters()]))
+        out["grad_types"] = sorted({type(p.grad).__name__ for p in comp.parameters() if p.requires_grad})
+        opt_e.step()
+        opt_c.step()
+        opt_e.zero_grad()
+        opt_c.zero_grad()
+        out["param_diff"].append(max_diff(list(eager.parameters()), list(comp.parameters())))
+    out["dynamo_graphs"] = len(compiled.captured.dynamo)
+    from fsdp_compile.report import count_collectives
+
+    out["forward"] = count_collectives(compiled.captured.forward[:1])
+    out["backward"] = count_collectives(compiled.captured.backward[:1])
+    return out
+
+
+def parity_worker(rank: int, world_size: int, cases: list[Case]) -> dict:
+    from torch._dynamo.utils import counters
+
+    results = {}
+    for case in cases:
+        before = sum(counters["graph_break"].values())
+        results[case.name] = run_case(case, rank, world_size)
+        results[case.name]["graph_breaks"] = sum(counters["graph_break"].values()) - before
+    return results

@@ -1,0 +1,230 @@
+"""Single-process tests on the fake process group: what the capture puts in the graphs, and its errors."""
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+import fsdp_compile as fc
+from dist_helpers import fake_process_group
+from models import FrozenBuffers, Llama, LlamaArgs, OddMLP, shard
+
+_c10d = torch.ops._c10d_functional
+
+
+def llama(n_layers=4, **kw):
+    torch.manual_seed(0)
+    m = Llama(LlamaArgs(n_layers=n_layers, **kw))
+    return shard(m, m.layers)
+
+
+def tokens():
+    return torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("world_size", [2, 8, 1024])
+def test_explain_counts_like_eager(world_size):
+    """Eager FSDP2 on a 4-block model: 9 all-gathers (5 forward, 4 backward re-gathers) and 5 RS."""
+    with fake_process_group(world_size, rank=1):
+        report = fc.explain(llama(), tokens())
+    assert (report.graph_breaks, report.recompiles, report.dynamo_graphs) == (0, 0, 1)
+    assert report.forward == {"all_gathers": 5, "reduce_scatters": 0, "all_reduces": 0}
+    assert report.backward == {"all_gathers": 4, "reduce_scatters": 5, "all_reduces": 0}
+    assert (report.all_gathers, report.reduce_scatters, report.all_reduces) == (9, 5, 0)
+    assert [b.groups for b in report.buckets] == [[""], ["layers.0"], ["layers.1"], ["layers.2"], ["layers.3"]]
+    assert "9 all-gathers" in report.to_markdown() and '"reduce_scatters": 5' in report.to_json()
+
+
+def test_explain_zoo():
+    with fake_process_group(4):
+        tied = fc.explain(llama(2, tie_embeddings=True), tokens())
+        # the tied embedding/output weight is one parameter of the root group: gathered and reduced once
+        assert tied.buckets[0].params == ["tok_embeddings.weight", "norm.weight"]
+        assert (tied.all_gathers, tied.reduce_scatters) == (5, 3)
+        torch.manual_seed(0)
+        odd = OddMLP()
+        odd_report = fc.explain(shard(odd, odd.blocks), torch.randn(3, 6))
+        assert (odd_report.all_gathers, odd_report.reduce_scatters) == (5, 3)
+        torch.manual_seed(0)
+        frozen = FrozenBuffers()
+        frozen_report = fc.explain(shard(frozen, frozen.blocks), torch.randint(0, 32, (2, 8)))
+        assert frozen_report.graph_breaks == 0 and frozen_report.reduce_scatters == 3
+
+
+def test_explain_leaves_state_alone():
+    with fake_process_group(8):
+        model = llama(2)
+        params = [p.detach().clone() for p in model.parameters()]
+        rng = torch.get_rng_state()
+        fc.explain(model, tokens())
+        assert all(p.grad is None for p in model.parameters())
+        assert all(torch.equal(a.to_local(), b.to_local()) for a, b in zip(params, model.parameters()))
+        assert torch.equal(rng, torch.get_rng_state())
+
+
+def _graph_code(rank, world_size):
+    with fake_process_group(world_size, rank=rank):
+        compiled = fc.compile(llama(2), backend="aot_eager")
+        compiled(tokens()).sum().backward()
+        return [gm.code for gm in compiled.captured.forward + compiled.captured.backward]
+
+
+def test_graphs_identical_on_every_rank():
+    """No rank is baked into the graphs: with even shards every rank compiles the same code."""
+    assert _graph_code(0, 8) == _graph_code(5, 8)
+
+
+def _collective_order(gm):
+    order = []
+    for node in gm.graph.nodes:
+        if node.target in (_c10d.all_gather_into_tensor.default, _c10d.reduce_scatter_tensor.default):
+            kind = "AG" if "all_gather" in str(node.target) else "RS"
+            order.append(f"{kind}({node.meta['custom']['fsdp_compile']['group'] or 'root'})")
+    return order
+
+
+def test_collectives_placed_like_eager():
+    """Forward: each group gathered at its first use. Backward: a block is re-gathered right before its
+    backward and reduce-scattered right after, as FSDP2's pre-/post-backward hooks do; the root (kept
+    unsharded by fully_shard's default) is not re-gathered."""
+    with fake_process_group(2):
+        compiled = fc.compile(llama(2), backend="aot_eager")
+        compiled(tokens()).sum().backward()
+    fw, bw = compiled.captured.forward[0], compiled.captured.backward[0]
+    assert _collective_order(fw) == ["AG(root)", "AG(layers.0)", "AG(layers.1)"]
+    assert _collective_order(bw) == ["AG(layers.1)", "RS(layers.1)", "AG(layers.0)", "RS(layers.0)", "RS(root)"]
+    # layers.1 is gathered after layers.0's compute: the first matmul after AG(layers.1) uses its weights
+    names = [n.name for n in fw.graph.nodes]
+    first_mm = names.index("mm")
+    assert names.index("all_gather_into_tensor_1") < first_mm < names.index("all_gather_into_tensor_2")
+
+
+def test_reshard_false_saves_unsharded_params():
+    with fake_process_group(2):
+        torch.manual_seed(0)
+        m = Llama(LlamaArgs(n_layers=2))
+        report = fc.explain(shard(m, m.layers, reshard_after_forward=False), tokens())
+    assert report.backward["all_gathers"] == 0 and report.reduce_scatters == 3
+
+
+def test_many_compiled_models_in_one_process():
+    """Each compiled model has its own Dynamo cache entry: no recompile-limit eviction across models."""
+    with fake_process_group(2):
+        compiled = [fc.compile(llama(1), backend="aot_eager") for _ in range(10)]
+        for c in compiled:
+            c(tokens())
+        compiled[0](tokens())
+        assert [len(c.captured.dynamo) for c in compiled] == [1] * 10
+
+
+def test_compiled_module_shares_state():
+    with fake_process_group(2):
+        model = llama(1)
+        compiled = fc.compile(model, backend="aot_eager")
+        assert [p for p in compiled.parameters()] == [p for p in model.parameters()]
+        assert list(compiled.state_dict()) == list(model.state_dict())
+        assert dict(compiled.named_parameters()).keys() == dict(model.named_parameters()).keys()
+        assert compiled.layers is model.layers
+
+
+def test_fully_shard_is_torchs():
+    with fake_process_group(2):
+        m = nn.Linear(4, 4)
+        assert fc.fully_shard(m) is m
+        from torch.distributed.fsdp import FSDPModule
+
+        assert isinstance(m, FSDPModule) and type(m).__name__ == "FSDPLinear"
+
+
+# ---- bad input: one clear error naming the fix ------------------------------------------------------
+
+
+def test_error_model_not_sharded():
+    with fake_process_group(2):
+        with pytest.raises(ValueError, match="call fsdp_compile.fully_shard"):
+            fc.compile(nn.Linear(4, 4))
+
+
+def test_error_torch_compiled_module():
+    with fake_process_group(2):
+        with pytest.raises(TypeError, match="uncompiled fully_shard model"):
+            fc.compile(torch.compile(llama(1)))
+
+
+def test_error_compiling_twice():
+    with fake_process_group(2):
+        compiled = fc.compile(llama(1), backend="aot_eager")
+        with pytest.raises(TypeError, match="pass the original module"):
+            fc.compile(compiled)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(offload_policy=CPUOffloadPolicy(pin_memory=False)), "offload_policy"),
+        (dict(reshard_after_forward=2), "int reshard_after_forward"),
+    ],
+)
+def test_error_unsupported_fsdp_option(kwargs, match):
+    with fake_process_group(4):
+        torch.manual_seed(0)
+        m = Llama(LlamaArgs(n_layers=1))
+        shard(m, m.layers, **kwargs)
+        with pytest.raises(NotImplementedError, match=match):
+            fc.compile(m)
+
+
+def test_error_hsdp():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with fake_process_group(4):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        torch.manual_seed(0)
+        m = Llama(LlamaArgs(n_layers=1))
+        shard(m, m.layers, mesh=mesh)
+        with pytest.raises(NotImplementedError, match="HSDP"):
+            fc.compile(m)
+
+
+def test_error_multi_module_group():
+    with fake_process_group(2):
+        torch.manual_seed(0)
+        m = Llama(LlamaArgs(n_layers=2))
+        fully_shard([m.layers[0], m.layers[1]])
+        fully_shard(m)
+        with pytest.raises(NotImplementedError, match=r"fully_shard\(\[m1, m2"):
+            fc.compile(m)
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        (dict(backend="eager"), ValueError, "backend must be one of"),
+        (dict(bucket="sometimes"), ValueError, "bucket must be one of"),
+        (dict(bucket=[[]]), ValueError, "non-empty buckets"),
+        (dict(bucket_cap_mb=0), ValueError, "bucket_cap_mb must be > 0"),
+        (dict(memory_budget_gb=-1.0), ValueError, "memory_budget_gb must be > 0"),
+        (dict(kernels="cuda"), ValueError, "kernels must be one of"),
+        (dict(hardware="tpu"), ValueError, "hardware must be one of"),
+    ],
+)
+def test_config_validation(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        fc.CompileConfig(**kwargs)
+
+
+def test_config_overrides_and_env(monkeypatch):
+    with pytest.raises(TypeError, match="unknown CompileConfig option"):
+        fc.CompileConfig().replace(bucket_size=3)
+    monkeypatch.setenv("FSDP_COMPILE_DUMP", "/tmp/somewhere")
+    assert fc.CompileConfig().dump_dir == "/tmp/somewhere"
+    cfg = fc.CompileConfig(bucket=[["layers.0", "layers.1"], ["layers.2"]])
+    assert cfg.bucket == (("layers.0", "layers.1"), ("layers.2",))
+    with pytest.raises(dataclasses_FrozenInstanceError()):
+        cfg.backend = "aot_eager"
+
+
+def dataclasses_FrozenInstanceError():
+    import dataclasses
+
+    return dataclasses.FrozenInstanceError

@@ -1,0 +1,97 @@
+"""The fsdp_compile:: ops against FSDP2's own copy ops, and the op contract (opcheck)."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fsdp_compile  # noqa: F401  (registers the ops)
+from fsdp_compile.ops import _copy_in, _copy_out, _pack_grads, _unpack_grads, padded_rows
+
+SHAPES = [(5, 3), (1,), (7,), (2, 4, 3), (8, 2)]
+
+
+def local_shard(full: torch.Tensor, world_size: int, rank: int) -> torch.Tensor:
+    c = padded_rows(full.shape[0], world_size)
+    return full[rank * c : min((rank + 1) * c, full.shape[0])]
+
+
+def fsdp_copy_in(shards, dim0s, world_size, rank, dtype):
+    """FSDP2's eager copy-in: shards pre-padded to c_i rows, then torch.ops.fsdp.all_gather_copy_in."""
+    padded = []
+    for s, d in zip(shards, dim0s):
+        p = s.new_zeros((padded_rows(d, world_size), *s.shape[1:]), dtype=dtype)
+        p[: s.shape[0]] = s
+        padded.append(p.reshape(-1))
+    sizes = [p.numel() for p in padded]
+    out = torch.empty(world_size * sum(sizes), dtype=dtype)
+    in_view, _ = torch.ops.fsdp.all_gather_copy_in(padded, out, sizes, sum(sizes), rank)
+    return in_view
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_all_gather_layout_matches_fsdp2(world_size, dtype):
+    torch.manual_seed(world_size)
+    fulls = [torch.randn(s) for s in SHAPES]
+    dim0s = [f.shape[0] for f in fulls]
+    flats = []
+    for rank in range(world_size):
+        shards = [local_shard(f, world_size, rank) for f in fulls]
+        ours = _copy_in(shards, dim0s, world_size, dtype)
+        assert torch.equal(ours, fsdp_copy_in(shards, dim0s, world_size, rank, dtype or torch.float32))
+        flats.append(ours)
+    # an all-gather concatenates rank-major; copy-out gives the full parameters back, padding trimmed
+    gathered = torch.cat(flats)
+    outs = _copy_out(gathered, [local_shard(f, world_size, 0) for f in fulls], dim0s, world_size)
+    for out, full in zip(outs, fulls):
+        assert torch.equal(out, full.to(dtype) if dtype else full)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 8])
+def test_reduce_scatter_pack_matches_fsdp2(world_size):
+    torch.manual_seed(world_size)
+    grads = [torch.randn(s, dtype=torch.bfloat16) for s in SHAPES]
+    ours = _pack_grads(grads, world_size, torch.float32)
+    # FSDP2: padded copies into a [W, -1] buffer with torch.ops.fsdp.chunk_cat (which casts)
+    padded = []
+    for g in grads:
+        c = padded_rows(g.shape[0], world_size)
+        p = g.new_zeros((world_size * c, *g.shape[1:]))
+        p[: g.shape[0]] = g
+        padded.append(p)
+    ref = torch.empty(ours.numel(), dtype=torch.float32)
+    torch.ops.fsdp.chunk_cat(padded, dim=0, num_chunks=world_size, out=ref.view(world_size, -1))
+    assert torch.equal(ours, ref)
+    # unpack: each rank gets its own unpadded rows back
+    for rank in range(world_size):
+        chunk = ours.view(world_size, -1)[rank]
+        rows = [local_shard(g, world_size, rank).shape[0] for g in grads]
+        for got, g in zip(_unpack_grads(chunk, grads, rows, world_size, torch.bfloat16), grads):
+            assert torch.equal(got, local_shard(g, world_size, rank))
+
+
+@pytest.fixture
+def gloo_world_1():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD.group_name
+    dist.destroy_process_group()
+
+
+def test_opcheck(gloo_world_1):
+    """Schema, fake implementations, autograd registration and dispatch are consistent."""
+    shards = [torch.randn(5, 3, requires_grad=True), torch.randn(2, requires_grad=True)]
+    args = (shards, [5, 2], gloo_world_1, 1, torch.bfloat16, torch.float32, "avg", None, None, "layers.0")
+    torch.library.opcheck(torch.ops.fsdp_compile.unshard.default, args)
+    grads = [torch.randn(5, 3), torch.randn(2)]
+    rs_args = (grads, [5, 2], gloo_world_1, 1, torch.float32, torch.float32, "sum", None, None, "layers.0")
+    torch.library.opcheck(torch.ops.fsdp_compile.reduce_scatter_grads.default, rs_args)
+
+
+def test_unshard_eager_autograd(gloo_world_1):
+    """Called eagerly, unshard is the identity on 1 rank (cast to param_dtype) and its backward casts the
+    gradient back to the parameter dtype, divided as FSDP2 would (fp16 reduce: pre/post factors)."""
+    w = torch.randn(5, 3, requires_grad=True)
+    (full,) = torch.ops.fsdp_compile.unshard([w], [5], gloo_world_1, 1, torch.float16, torch.float16, "sum", 2.0, 4.0, "")
+    assert full.dtype == torch.float16 and torch.equal(full, w.to(torch.float16))
+    full.float().sum().backward()
+    assert w.grad.dtype == torch.float32 and torch.equal(w.grad, torch.full((5, 3), 1 / 8))

@@ -1,0 +1,153 @@
+"""What a training loop needs around the compiled step, on 2 real gloo ranks."""
+
+import contextlib
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from dist_helpers import run_ranks
+from parity import Case, batch, build, loss_fn, max_diff
+
+pytestmark = pytest.mark.multirank
+
+_EAGER_COLLECTIVES = [
+    "all_gather_single", "reduce_scatter_single", "all_gather_into_tensor", "reduce_scatter_tensor",
+    "all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all_single", "barrier",
+]
+
+
+@contextlib.contextmanager
+def count_eager_c10d():
+    """Count Python-level c10d calls (FSDP2's eager hooks go through these; funcol ops do not)."""
+    calls = []
+    saved = {}
+    for mod in (dist, c10d):
+        for name in _EAGER_COLLECTIVES:
+            fn = getattr(mod, name, None)
+            if fn is None:
+                continue
+            saved[(mod, name)] = fn
+
+            def wrapper(*a, _fn=fn, _name=name, **k):
+                calls.append(_name)
+                return _fn(*a, **k)
+
+            setattr(mod, name, wrapper)
+    try:
+        yield calls
+    finally:
+        for (mod, name), fn in saved.items():
+            setattr(mod, name, fn)
+
+
+def training_worker(rank, world_size, ckpt_dir):
+    import torch.distributed.checkpoint as dcp
+
+    import fsdp_compile as fc
+
+    case = Case(n_layers=2)
+    eager, model = build(case), build(case)
+    compiled = fc.compile(model, backend="aot_eager")
+    opt = torch.optim.AdamW(compiled.parameters(), lr=1e-2)
+    opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-2)
+    out = {}
+
+    x = batch(case, 0, rank)
+    loss_fn(case, compiled(x), x).backward()  # compile (not counted)
+    opt.zero_grad()
+
+    x = batch(case, 1, rank)
+    with count_eager_c10d() as calls:
+        loss_fn(case, compiled(x), x).backward()
+        norm_c = torch.nn.utils.clip_grad_norm_(compiled.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+    out["compiled_c10d_calls"] = list(calls)
+    # the counter is live: eager FSDP2 goes through it
+    with count_eager_c10d() as calls:
+        loss_fn(case, eager(x), x).backward()
+    out["eager_c10d_calls"] = len(calls)
+    opt_e.zero_grad()
+    out["clip_norm_is_tensor"] = isinstance(norm_c, torch.Tensor) and torch.isfinite(norm_c).item()
+
+    # clip_grad_norm_ on the compiled model's DTensor grads equals eager FSDP2's, then the update too
+    for m in (eager, model):
+        with torch.no_grad():
+            for p, q in zip(m.parameters(), model.parameters()):
+                if m is eager:
+                    p.copy_(q)
+    x = batch(case, 2, rank)
+    loss_fn(case, eager(x), x).backward()
+    loss_fn(case, compiled(x), x).backward()
+    ne = torch.nn.utils.clip_grad_norm_(eager.parameters(), 0.1)
+    nc = torch.nn.utils.clip_grad_norm_(compiled.parameters(), 0.1)
+    out["clip_norm_diff"] = (ne.full_tensor() if hasattr(ne, "full_tensor") else ne).item() - (
+        nc.full_tensor() if hasattr(nc, "full_tensor") else nc
+    ).item()
+    out["clipped_grad_diff"] = max_diff([p.grad for p in eager.parameters()], [p.grad for p in model.parameters()])
+    opt.zero_grad()
+    opt_e.zero_grad()
+
+    # the original module still runs eagerly with FSDP2's hooks, and agrees with the compiled step
+    with torch.no_grad():
+        y_eager = model(x)
+        y_comp = compiled(x)
+    out["eager_vs_compiled_forward"] = (y_eager - y_comp).abs().max().item()
+
+    # DCP: save the compiled model's state, load it into a fresh eager model
+    dcp.save({"model": compiled.state_dict()}, checkpoint_id=ckpt_dir)
+    fresh = build(Case(n_layers=2))
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.zero_()
+    state = {"model": fresh.state_dict()}
+    dcp.load(state, checkpoint_id=ckpt_dir)
+    fresh.load_state_dict(state["model"])
+    out["dcp_diff"] = max_diff(list(fresh.parameters()), list(model.parameters()))
+    out["state_dict_keys_equal"] = list(compiled.state_dict()) == list(model.state_dict())
+
+    # explain on real ranks: no training step happens
+    before = [p.detach().clone() for p in model.parameters()]
+    loss_fn(case, compiled(x), x).backward()
+    grads = [p.grad for p in model.parameters()]
+    report = fc.explain(model, x)
+    out["explain"] = (report.graph_breaks, report.all_gathers, report.reduce_scatters)
+    out["explain_params_unchanged"] = max_diff(before, list(model.parameters())) == 0.0
+    out["explain_grads_kept"] = all(a is b for a, b in zip(grads, [p.grad for p in model.parameters()]))
+    return out
+
+
+def test_training_loop_pieces(tmp_path):
+    results = run_ranks(training_worker, 2, str(tmp_path / "ckpt"), timeout=300)
+    for rank, r in enumerate(results):
+        assert r["compiled_c10d_calls"] == [], (rank, r["compiled_c10d_calls"])
+        assert r["eager_c10d_calls"] >= 8, r  # 5 all-gathers + 3 reduce-scatters per eager step
+        assert r["clip_norm_is_tensor"]
+        assert r["clip_norm_diff"] == 0.0 and r["clipped_grad_diff"] == 0.0, r
+        assert r["eager_vs_compiled_forward"] == 0.0, r
+        assert r["dcp_diff"] == 0.0 and r["state_dict_keys_equal"], r
+        assert r["explain"] == (0, 5, 3), r["explain"]
+        assert r["explain_params_unchanged"] and r["explain_grads_kept"], r
+
+
+def inductor_worker(rank, world_size):
+    from parity import run_case
+
+    return run_case(Case(backend="inductor", steps=3, n_layers=2), rank, world_size)
+
+
+@pytest.mark.inductor
+def test_inductor_close():
+    """Inductor fuses and reorders reductions (RMSNorm, softmax, the matmul epilogues), so the step is
+    not bitwise; on this tiny fp32 model it stays within 1e-5 on losses and 1e-4 on gradients and
+    shards after 3 AdamW steps (measured: ~1e-6 to 1e-5)."""
+    results = run_ranks(inductor_worker, 2, timeout=900)
+    for rank, r in enumerate(results):
+        assert r["dynamo_graphs"] == 1
+        assert r["forward"]["all_gathers"] == 3 and r["backward"]["reduce_scatters"] == 3, r
+        diffs = [abs(a - b) for a, b in zip(r["loss_eager"], r["loss_compiled"])]
+        assert max(diffs) < 1e-5, (rank, diffs)
+        assert max(r["grad_diff"]) < 1e-4, (rank, r["grad_diff"])
+        assert max(r["param_diff"]) < 1e-4, (rank, r["param_diff"])
