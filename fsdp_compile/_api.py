@@ -199,7 +199,16 @@ def _resolve_config(model: nn.Module, config: CompileConfig | None, overrides: d
 
 
 def _check_supported(config: CompileConfig) -> None:
-    if config.bucket not in ("fsdp_group",):
-        raise NotImplementedError(
-            f"bucket={config.bucket!r} needs the bucketing pass, which has not landed yet; use bucket='fsdp_group'"
-        )
+    """Options whose pass has not landed yet fail loudly instead of being silently ignored."""
+    pending = {
+        "bucket": (config.bucket != "fsdp_group", "the bucketing pass", "bucket='fsdp_group'"),
+        "bucket_cap_mb": (config.bucket_cap_mb is not None, "the bucketing pass", "bucket_cap_mb=None"),
+        "reorder": (config.reorder, "the reordering pass", "reorder=False"),
+        "memory_budget_gb": (config.memory_budget_gb is not None, "the reordering pass", "memory_budget_gb=None"),
+        "kernels": (config.kernels == "triton", "the Triton copy kernels", "kernels='auto' or 'torch'"),
+    }
+    for name, (requested, what, fix) in pending.items():
+        if requested:
+            raise NotImplementedError(
+                f"{name}={getattr(config, name)!r} needs {what}, which has not landed yet; use {fix}"
+            )

@@ -68,7 +68,10 @@ def make_backend(config: CompileConfig, plan: ShardingPlan, captured: CapturedGr
     reshard = {g.fqn: g.reshard_after_forward for g in plan.groups}
 
     def record(kind: str, gm: torch.fx.GraphModule) -> None:
-        getattr(captured, kind).append(gm)
+        graphs = getattr(captured, kind)
+        graphs.append(gm)
+        if config.dump_dir:
+            _dump(config.dump_dir, kind, len(graphs) - 1, gm)
 
     def backend(gm: torch.fx.GraphModule, example_inputs):
         record("dynamo", gm)
@@ -82,6 +85,21 @@ def make_backend(config: CompileConfig, plan: ShardingPlan, captured: CapturedGr
         return _aot_eager(gm, example_inputs, reshard, record, decompositions)
 
     return backend
+
+
+def _dump(dump_dir: str, kind: str, index: int, gm: torch.fx.GraphModule) -> None:
+    """Readable graph text (shapes, dtypes, the FSDP group of every collective node) per stage."""
+    import os
+
+    os.makedirs(dump_dir, exist_ok=True)
+    stage = {"dynamo": 0, "forward": 1, "backward": 2}[kind]
+    path = os.path.join(dump_dir, f"graph{index:03d}_{stage}_{kind}.txt")
+    with open(path, "w") as f:
+        f.write(gm.print_readable(print_output=False, include_stride=False, include_device=False))
+        f.write("\n# collectives (node -> FSDP group)\n")
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and str(node.target).startswith("_c10d_functional."):
+                f.write(f"# {node.name}: {node.target} group={(fsdp_meta(node) or {}).get('group')!r}\n")
 
 
 def _aot_eager(gm, example_inputs, reshard, record, decompositions):

@@ -27,7 +27,7 @@ class CompileConfig:
     """``"inductor"`` generates code (C++ on CPU, Triton on GPU); ``"aot_eager"`` runs the same captured,
     partitioned and rewritten graphs op by op: bitwise equal to eager FSDP2 in fp32, for numerics and debugging."""
 
-    bucket: Union[BucketMode, tuple[tuple[str, ...], ...]] = "fsdp_group"
+    bucket: Union[BucketMode, tuple[tuple[str, ...], ...]] = "fsdp_group"  # "auto" once the bucketing pass lands
     """How collectives are grouped. ``"none"``: one all-gather and one reduce-scatter per parameter.
     ``"fsdp_group"``: one per FSDP module, as eager FSDP2. ``"auto"``: chosen by the cost model.
     Or an explicit plan: a sequence of buckets, each a sequence of FSDP module FQNs."""
@@ -35,8 +35,10 @@ class CompileConfig:
     bucket_cap_mb: float | None = None
     """Upper bound on one bucket's size in MB; ``None`` lets the cost model choose."""
 
-    reorder: bool = True
-    """Prefetch all-gathers and sink waits for overlap, within ``memory_budget_gb``."""
+    reorder: bool = False
+    """Prefetch all-gathers and sink waits for overlap, within ``memory_budget_gb``. Off until the
+    reordering pass lands (then on by default, as DESIGN.md says); without it every collective sits
+    where eager FSDP2 issues it."""
 
     memory_budget_gb: float | None = None
     """Peak-memory bound for the reordering pass; ``None`` means no more than eager FSDP2's peak."""

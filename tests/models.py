@@ -1,6 +1,6 @@
 """The model zoo for tests, the demo and the benchmarks.
 
-* ``Llama``: a Llama-style decoder (RMSNorm, RoPE, SwiGLU, optional tied embeddings).
+* ``Llama``: a Llama-style decoder (RMSNorm, RoPE, SwiGLU, optional tied embeddings), from the package.
 * ``OddMLP``: dims that no world size divides (uneven dim-0 shards, ranks with empty shards).
 * ``FrozenBuffers``: frozen parameters and buffers beside trainable ones.
 
@@ -9,123 +9,14 @@
 
 from __future__ import annotations
 
-import dataclasses
-import math
-
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-
-@dataclasses.dataclass
-class LlamaArgs:
-    vocab: int = 256
-    dim: int = 64
-    n_layers: int = 2
-    n_heads: int = 4
-    ffn_dim: int = 160
-    max_seq: int = 64
-    tie_embeddings: bool = False
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x):
-        # x: [B, S, D]
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
-
-
-def rope_cache(seq: int, head_dim: int, theta: float = 10000.0) -> torch.Tensor:
-    freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
-    angles = torch.outer(torch.arange(seq).float(), freqs)  # [S, hd/2]
-    return torch.stack([angles.cos(), angles.sin()], dim=-1)  # [S, hd/2, 2]
-
-
-def apply_rope(x, cache):
-    # x: [B, S, H, hd]; cache: [S, hd/2, 2]
-    x2 = x.float().reshape(*x.shape[:-1], -1, 2)
-    cos, sin = cache[: x.shape[1], None, :, 0], cache[: x.shape[1], None, :, 1]
-    out = torch.stack([x2[..., 0] * cos - x2[..., 1] * sin, x2[..., 0] * sin + x2[..., 1] * cos], -1)
-    return out.flatten(-2).type_as(x)
-
-
-class Attention(nn.Module):
-    def __init__(self, a: LlamaArgs):
-        super().__init__()
-        self.n_heads, self.head_dim = a.n_heads, a.dim // a.n_heads
-        self.wq = nn.Linear(a.dim, a.dim, bias=False)
-        self.wk = nn.Linear(a.dim, a.dim, bias=False)
-        self.wv = nn.Linear(a.dim, a.dim, bias=False)
-        self.wo = nn.Linear(a.dim, a.dim, bias=False)
-
-    def forward(self, x, cache):
-        B, S, D = x.shape
-        q = self.wq(x).view(B, S, self.n_heads, self.head_dim)
-        k = self.wk(x).view(B, S, self.n_heads, self.head_dim)
-        v = self.wv(x).view(B, S, self.n_heads, self.head_dim)
-        q, k = apply_rope(q, cache), apply_rope(k, cache)
-        # [B, H, S, hd]
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
-        return self.wo(o.transpose(1, 2).reshape(B, S, D))
-
-
-class FeedForward(nn.Module):
-    def __init__(self, a: LlamaArgs):
-        super().__init__()
-        self.w1 = nn.Linear(a.dim, a.ffn_dim, bias=False)
-        self.w2 = nn.Linear(a.ffn_dim, a.dim, bias=False)
-        self.w3 = nn.Linear(a.dim, a.ffn_dim, bias=False)
-
-    def forward(self, x):
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))  # SwiGLU
-
-
-class Block(nn.Module):
-    def __init__(self, a: LlamaArgs):
-        super().__init__()
-        self.attention_norm = RMSNorm(a.dim)
-        self.attention = Attention(a)
-        self.ffn_norm = RMSNorm(a.dim)
-        self.feed_forward = FeedForward(a)
-
-    def forward(self, x, cache):
-        x = x + self.attention(self.attention_norm(x), cache)
-        return x + self.feed_forward(self.ffn_norm(x))
-
-
-class Llama(nn.Module):
-    def __init__(self, a: LlamaArgs | None = None):
-        super().__init__()
-        a = a or LlamaArgs()
-        self.args = a
-        self.tok_embeddings = nn.Embedding(a.vocab, a.dim)
-        self.layers = nn.ModuleList(Block(a) for _ in range(a.n_layers))
-        self.norm = RMSNorm(a.dim)
-        self.output = nn.Linear(a.dim, a.vocab, bias=False)
-        if a.tie_embeddings:
-            self.output.weight = self.tok_embeddings.weight
-        self.register_buffer("rope", rope_cache(a.max_seq, a.dim // a.n_heads), persistent=False)
-        self.reset_parameters()
-
-    def reset_parameters(self):
-        for name, p in self.named_parameters():
-            if p.dim() > 1:
-                nn.init.normal_(p, std=0.02 if "output" not in name else 1 / math.sqrt(self.args.dim))
-
-    def forward(self, tokens):
-        # tokens: [B, S] -> logits [B, S, V]
-        x = self.tok_embeddings(tokens)
-        for layer in self.layers:
-            x = layer(x, self.rope)
-        return self.output(self.norm(x))
+from fsdp_compile.models import Llama, LlamaArgs  # noqa: F401  (re-exported for the tests)
 
 
 class OddMLP(nn.Module):
-    """Rows 3, 5, 7, 1: uneven over 2 and 4 ranks; the 1-row bias leaves ranks with empty shards."""
+    """Dim-0 sizes 5, 7, 3 and 1: uneven over 2 and 4 ranks; the 1-row ``scale`` leaves ranks with empty shards."""
 
     def __init__(self):
         super().__init__()

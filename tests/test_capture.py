@@ -228,3 +228,32 @@ def dataclasses_FrozenInstanceError():
     import dataclasses
 
     return dataclasses.FrozenInstanceError
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (dict(bucket="auto"), "bucketing pass"),
+        (dict(bucket=[["layers.0"]]), "bucketing pass"),
+        (dict(bucket_cap_mb=16), "bucketing pass"),
+        (dict(reorder=True), "reordering pass"),
+        (dict(memory_budget_gb=1.0), "reordering pass"),
+        (dict(kernels="triton"), "Triton copy kernels"),
+    ],
+)
+def test_pending_options_fail_loudly(overrides, match):
+    """An option whose pass has not landed must not be silently ignored."""
+    with fake_process_group(2):
+        with pytest.raises(NotImplementedError, match=match):
+            fc.compile(llama(1), **overrides)
+
+
+def test_dump_dir(tmp_path):
+    with fake_process_group(2):
+        compiled = fc.compile(llama(1), backend="aot_eager", dump_dir=str(tmp_path))
+        compiled(tokens()).sum().backward()
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["graph000_0_dynamo.txt", "graph000_1_forward.txt", "graph000_2_backward.txt"]
+    forward = (tmp_path / "graph000_1_forward.txt").read_text()
+    assert "all_gather_into_tensor" in forward and "group='layers.0'" in forward
+    assert "reduce_scatter_tensor" in (tmp_path / "graph000_2_backward.txt").read_text()
