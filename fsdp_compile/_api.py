@@ -51,15 +51,20 @@ class CompiledFSDPModule(nn.Module):
         self.config = config
         self.captured = CapturedGraphs()
         by_name = dict(model.named_parameters())
-        group_params = [[by_name[p.fqn] for p in g.params] for g in plan.groups]
-        step = _unique_code(_make_step(model, plan, group_params), f"fsdp_compile_step_{next(_instances)}")
+        self._group_params = [[by_name[p.fqn] for p in g.params] for g in plan.groups]
+        step = _unique_code(_make_step(model, plan), f"fsdp_compile_step_{next(_instances)}")
         self._compiled = torch.compile(
             step, backend=make_backend(config, plan, self.captured, codegen=codegen), fullgraph=True
         )
 
     def forward(self, *args, **kwargs):
+        # The local shards are taken eagerly, outside the graph: DTensor.to_local() is differentiable, so
+        # autograd carries each shard gradient back to its DTensor parameter's .grad, while the graph
+        # sees plain tensors only (no DTensor desugaring, no DeviceMesh among the saved values, which
+        # AOTAutograd's activation-checkpointing path cannot save).
+        shards = [[p.to_local() for p in group] for group in self._group_params]
         with capture.active():
-            return self._compiled(*args, **kwargs)
+            return self._compiled(shards, *args, **kwargs)
 
     # The original model's state, unprefixed.
     def named_parameters(self, *args, **kwargs):
@@ -87,9 +92,9 @@ class CompiledFSDPModule(nn.Module):
             return getattr(self._orig_mod, name)
 
 
-def _make_step(model, plan, group_params):
-    def step(*args, **kwargs):
-        return capture.traced_forward(model, plan, group_params, args, kwargs)
+def _make_step(model, plan):
+    def step(shards, *args, **kwargs):
+        return capture.traced_forward(model, plan, shards, args, kwargs)
 
     return step
 

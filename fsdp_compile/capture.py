@@ -11,9 +11,9 @@ hook id, by a dispatcher:
   ``MixedPrecisionPolicy`` casts (``cast_forward_inputs`` before, ``output_dtype`` after).
 
 The parameters come from ``traced_forward``: for every FSDP group one ``fsdp_compile::unshard`` over the
-group's local shards (``DTensor.to_local()``, so gradients arrive as Shard(0) DTensor ``.grad`` on the
-original parameters), then ``torch.func.functional_call`` runs the model with the full tensors. The
-backend then moves each unshard to just before its group's first use (``place_unshards``), which is
+group's local shards (``DTensor.to_local()``, taken just outside the graph, so gradients arrive as
+Shard(0) DTensor ``.grad`` on the original parameters), then ``torch.func.functional_call`` runs the model with the full tensors. The
+backend then moves each unshard to just before its group's first use (``place_collectives``), which is
 where FSDP2's pre-forward hook would have issued it.
 """
 
@@ -90,13 +90,13 @@ def install_hooks(model: nn.Module) -> None:
             module._forward_hooks[post_id] = _make_post_hook(state, post)
 
 
-def traced_forward(model: nn.Module, plan: ShardingPlan, params: list[list[nn.Parameter]], args, kwargs):
-    """The function Dynamo captures: unshard every group, then run the model on the full parameters."""
+def traced_forward(model: nn.Module, plan: ShardingPlan, shards: list[list[torch.Tensor]], args, kwargs):
+    """The function Dynamo captures: unshard every group's local shards (``shards[i]`` for
+    ``plan.groups[i]``), then run the model on the full parameters."""
     full = {}
-    for group, group_params in zip(plan.groups, params):
-        shards = [p.to_local() for p in group_params]
+    for group, group_shards in zip(plan.groups, shards):
         gathered = torch.ops.fsdp_compile.unshard(
-            shards,
+            group_shards,
             [p.full_shape[0] for p in group.params],
             group.group_name,
             group.world_size,

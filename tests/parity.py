@@ -25,7 +25,7 @@ MP = {
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-    model: str = "llama"  # llama | llama_tied | odd | frozen
+    model: str = "llama"  # llama | llama_tied | llama_ac | odd | frozen
     reshard: bool | None = None  # None: fully_shard's default (True, root kept unsharded)
     mp: str | None = None
     backend: str = "aot_eager"
@@ -45,6 +45,10 @@ def build(case: Case):
     torch.manual_seed(0)
     if case.model.startswith("llama"):
         m = Llama(LlamaArgs(n_layers=case.n_layers, tie_embeddings=case.model == "llama_tied"))
+        if case.model == "llama_ac":  # activation checkpointing per block, then fully_shard (torchtitan's order)
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+            m.layers = torch.nn.ModuleList(checkpoint_wrapper(b) for b in m.layers)
         blocks = m.layers
     elif case.model == "odd":
         m, blocks = OddMLP(), None

@@ -99,6 +99,16 @@ def test_collectives_placed_like_eager():
     assert names.index("all_gather_into_tensor_1") < first_mm < names.index("all_gather_into_tensor_2")
 
 
+def test_new_sequence_length_recompiles_once_dynamic():
+    with fake_process_group(4):
+        compiled = fc.compile(llama(2), backend="aot_eager")
+        for seq in (16, 24, 32, 40):
+            compiled(torch.randint(0, 256, (2, seq))).sum().backward()
+    # Dynamo's automatic dynamic shapes: one static graph, then one with a symbolic sequence length
+    assert len(compiled.captured.dynamo) == 2
+    assert all(_collective_order(fw)[:1] == ["AG(root)"] for fw in compiled.captured.forward)
+
+
 def test_reshard_false_saves_unsharded_params():
     with fake_process_group(2):
         torch.manual_seed(0)

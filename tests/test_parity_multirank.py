@@ -19,6 +19,7 @@ CASES_2 = [
     Case(reshard=False),
     Case(reshard=True),  # the root re-gathers in backward too
     Case(model="llama_tied"),
+    Case(model="llama_ac"),  # activation checkpointing inside each FSDP block
     Case(model="odd"),  # uneven dim-0 shards, unwrapped modules, a root that owns parameters
     Case(model="frozen"),  # frozen parameters, buffers
     Case(mp="bf16"),
