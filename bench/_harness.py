@@ -1,0 +1,122 @@
+"""Shared benchmark harness: interleaved timing windows, robust statistics, peak memory, results files.
+
+Noisy shared machines (measured here: ±25% run to run) need ratios from one run: every variant is
+timed in short windows interleaved with the others, so drift hits all of them alike, and the reported
+figures are medians with p10/p90 spread. Warm-up (the compile) is timed separately and excluded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+
+def percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    if not xs:
+        return float("nan")
+    k = (len(xs) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def summarize(times: list[float]) -> dict:
+    return {
+        "median_step_s": statistics.median(times),
+        "p10_step_s": percentile(times, 0.1),
+        "p90_step_s": percentile(times, 0.9),
+        "steps_timed": len(times),
+    }
+
+
+def step_peak_bytes(step, device: torch.device) -> int:
+    """Peak tensor bytes allocated while ``step()`` runs, above what was live before it.
+
+    CUDA: ``max_memory_allocated`` minus ``memory_allocated`` at the start. CPU: the same quantity from
+    the profiler's allocation events (``profile_memory=True``), since the process's RSS cannot show it
+    (glibc keeps freed pages resident and every variant shares the process). Counts activations,
+    gathered parameters and gradients; not the parameters and optimizer state that live across steps.
+    """
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.device_type() == torch._C._autograd.DeviceType.CPU]
+    live = peak = 0
+    for e in sorted(events, key=lambda e: e.start_ns()):
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
+class Progress:
+    """One status line on rank 0's stderr (no extra dependency)."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.total, self.done, self.enabled, self.t0 = total, 0, enabled, time.monotonic()
+
+    def step(self, label: str) -> None:
+        self.done += 1
+        if self.enabled:
+            elapsed = time.monotonic() - self.t0
+            sys.stderr.write(f"\r[{self.done}/{self.total}] {elapsed:6.1f}s {label:<60}")
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")
+
+
+def machine() -> dict:
+    return {
+        "date": time.strftime("%Y-%m-%d"),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
+
+
+def write_json(path: str, payload: dict) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2)
+
+
+def bar_chart(path: str, names: list[str], values: list[float], errors: list[tuple[float, float]], title: str, ylabel: str) -> bool:
+    """A PNG bar chart with p10-p90 whiskers; returns False (and writes nothing) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(names)), 4))
+    lower = [v - lo for v, (lo, _) in zip(values, errors)]
+    upper = [hi - v for v, (_, hi) in zip(values, errors)]
+    ax.bar(range(len(names)), values, yerr=[lower, upper], capsize=4, color="#4C72B0")
+    ax.set_xticks(range(len(names)))
+    ax.set_xticklabels(names, rotation=20, ha="right")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    for i, v in enumerate(values):
+        ax.annotate(f"{v:.1f}", (i, v), ha="center", va="bottom", fontsize=8, xytext=(0, 3), textcoords="offset points")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True

@@ -1,0 +1,245 @@
+"""Eager FSDP2 versus torch.compile versus fsdp_compile on the same model, data and machine.
+
+    torchrun --nproc-per-node 2 bench/compiled_vs_eager.py [--size tiny|small] [--steps 20] [--quick]
+
+Variants (each its own model from the same seed, AdamW, the same batches):
+  eager           torch's fully_shard, no compile
+  torch.compile   torch.compile(model) on the fully_shard model: FSDP2's hooks stay eager (graph breaks)
+  fc:<bucket>     fsdp_compile.compile(model, bucket=...), for every bucket policy that is available
+Per variant: first-step time (includes the compile), median and p10/p90 step time over timed steps run
+in interleaved windows (drift hits every variant alike), collectives per step (Python c10d calls, i.e.
+eager hooks, and collectives inside compiled graphs), peak step memory (tensor bytes allocated by one
+step above those live before it), final loss versus eager.
+Writes bench/results/compiled_vs_eager.json and .png. Gloo on CPU; NCCL when CUDA is present.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+import torch.nn.functional as F
+from torch.distributed.fsdp import fully_shard
+
+sys.path.insert(0, os.path.dirname(__file__))
+import _harness as H  # noqa: E402
+
+import fsdp_compile as fc  # noqa: E402
+from fsdp_compile.models import SIZES, Llama, llama_blocks  # noqa: E402
+from fsdp_compile.report import count_collectives  # noqa: E402
+
+_EAGER = ["all_gather_single", "reduce_scatter_single", "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce"]
+
+
+@contextlib.contextmanager
+def count_eager_collectives():
+    calls, saved = [], {}
+    for name in _EAGER:
+        fn = saved[name] = getattr(c10d, name)
+
+        def wrapper(*a, _fn=fn, _name=name, **k):
+            calls.append(_name)
+            return _fn(*a, **k)
+
+        setattr(c10d, name, wrapper)
+        setattr(dist, name, wrapper)
+    try:
+        yield calls
+    finally:
+        for name, fn in saved.items():
+            setattr(c10d, name, fn)
+            setattr(dist, name, fn)
+
+
+def build(size: str, device: torch.device):
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Llama(SIZES[size])
+    for block in llama_blocks(model):
+        fully_shard(block)
+    return fully_shard(model)
+
+
+class Variant:
+    def __init__(self, name: str, size: str, device: torch.device, make):
+        self.name = name
+        self.model = build(size, device)
+        self.runner = make(self.model)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=3e-3)
+        self.times: list[float] = []
+        self.first_step_s = None
+        self.peak_bytes = 0
+        self.loss = None
+        self.eager_calls = None
+
+    def step(self, tokens: torch.Tensor) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        logits = self.runner(tokens[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        if tokens.is_cuda:
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        self.loss = loss.item()
+        return dt
+
+    def in_graph_collectives(self) -> dict | None:
+        captured = getattr(self.runner, "captured", None)
+        if captured is None:
+            return None
+        fw, bw = count_collectives(captured.forward[:1]), count_collectives(captured.backward[:1])
+        return {k: fw[k] + bw[k] for k in fw}
+
+
+def batch(step: int, rank: int, vocab: int, device, batch_size: int, seq: int):
+    g = torch.Generator().manual_seed(10_000 * rank + step)
+    start = torch.randint(0, vocab, (batch_size, 1), generator=g)
+    stride = torch.randint(1, 4, (batch_size, 1), generator=g)
+    return ((start + stride * torch.arange(seq + 1)) % vocab).to(device)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", default="small", choices=sorted(SIZES))
+    ap.add_argument("--steps", type=int, default=20, help="timed steps per variant (after 2 warm-up steps)")
+    ap.add_argument("--window", type=int, default=5, help="steps per interleaved window")
+    ap.add_argument("--backend", default="inductor", choices=["inductor", "aot_eager"])
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--quick", action="store_true", help="tiny model, 10 timed steps: a few minutes on 2 CPU ranks")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    args = ap.parse_args()
+    if "RANK" not in os.environ:
+        ap.error("launch with torchrun, e.g.: torchrun --nproc-per-node 2 bench/compiled_vs_eager.py --quick")
+    if args.quick:
+        args.size, args.steps, args.window = "tiny", 10, 5
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    else:
+        torch.set_num_threads(1)
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=900))
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    say = print if rank == 0 else (lambda *a, **k: None)
+    vocab = SIZES[args.size].vocab
+
+    makers = {
+        "eager": lambda m: m,
+        "torch.compile": lambda m: torch.compile(m, backend=args.backend),
+    }
+    skipped = {}
+    for bucket in ("none", "fsdp_group", "auto"):
+        try:
+            fc.CompileConfig(bucket=bucket)
+            from fsdp_compile._api import _check_supported
+
+            _check_supported(fc.CompileConfig(bucket=bucket, backend=args.backend))
+        except NotImplementedError as e:
+            skipped[f"fc:{bucket}"] = str(e)
+            continue
+        makers[f"fc:{bucket}"] = lambda m, b=bucket: fc.compile(m, backend=args.backend, bucket=b)
+    variants = [Variant(name, args.size, device, make) for name, make in makers.items()]
+    say(f"compiled_vs_eager: Llama '{args.size}', {world} ranks ({'nccl' if cuda else 'gloo'}), backend={args.backend}")
+    for name, why in skipped.items():
+        say(f"  skipped {name}: {why}")
+
+    windows = -(-args.steps // args.window)
+    progress = H.Progress(len(variants) * (3 + windows), enabled=rank == 0)
+    step_no = {v.name: 0 for v in variants}
+
+    def run(v: Variant, n: int, timed: bool):
+        for _ in range(n):
+            tokens = batch(step_no[v.name], rank, vocab, device, args.batch, args.seq)
+            step_no[v.name] += 1
+            dt = v.step(tokens)
+            if timed:
+                v.times.append(dt)
+            elif v.first_step_s is None:
+                v.first_step_s = dt
+
+    for v in variants:  # warm-up: the first step compiles; a second lets caches settle
+        run(v, 1, timed=False)
+        progress.step(f"{v.name}: first step {v.first_step_s:.1f}s")
+        with count_eager_collectives() as calls:
+            run(v, 1, timed=False)
+        v.eager_calls = len(calls)
+        progress.step(f"{v.name}: warm-up")
+    for w in range(windows):
+        for v in variants:
+            run(v, min(args.window, args.steps - w * args.window), timed=True)
+            progress.step(f"{v.name}: window {w + 1}/{windows}")
+    for v in variants:  # one more, untimed step per variant under the memory profiler
+        v.peak_bytes = H.step_peak_bytes(lambda: run(v, 1, timed=False), device)
+        progress.step(f"{v.name}: peak memory")
+    progress.close()
+
+    eager = variants[0]
+    base = H.summarize(eager.times)["median_step_s"]
+    results = {}
+    for v in variants:
+        stats = H.summarize(v.times)
+        graph = v.in_graph_collectives()
+        results[v.name] = {
+            **stats,
+            "first_step_s": v.first_step_s,
+            "ratio_vs_eager": stats["median_step_s"] / base,
+            "eager_c10d_calls_per_step": v.eager_calls,
+            "all_gathers": graph["all_gathers"] if graph else None,
+            "reduce_scatters": graph["reduce_scatters"] if graph else None,
+            "peak_bytes": v.peak_bytes,
+            "final_loss": v.loss,
+            "final_loss_delta_vs_eager": abs(v.loss - eager.loss),
+        }
+
+    say("\n| variant | median ms | p10-p90 ms | vs eager | first step s | Python c10d calls/step | in-graph AG/RS | step peak MiB | final loss (Δ vs eager) |")
+    say("|---|---|---|---|---|---|---|---|---|")
+    for name, r in results.items():
+        graph = f"{r['all_gathers']}/{r['reduce_scatters']}" if r["all_gathers"] is not None else "-"
+        say(
+            f"| {name} | {r['median_step_s'] * 1e3:.1f} | {r['p10_step_s'] * 1e3:.1f}-{r['p90_step_s'] * 1e3:.1f} | "
+            f"{r['ratio_vs_eager']:.2f}x | {r['first_step_s']:.1f} | {r['eager_c10d_calls_per_step']} | {graph} | "
+            f"{r['peak_bytes'] / 2**20:.1f} | {r['final_loss']:.5f} ({r['final_loss_delta_vs_eager']:.1e}) |"
+        )
+    tc = results.get("torch.compile")
+    for name, r in results.items():
+        if name.startswith("fc:") and tc:
+            say(
+                f"{name}: {r['ratio_vs_eager']:.2f}x eager, {r['median_step_s'] / tc['median_step_s']:.2f}x torch.compile step time, "
+                f"first step {r['first_step_s'] / tc['first_step_s']:.2f}x torch.compile's"
+            )
+    if rank == 0:
+        payload = {
+            "config": vars(args) | {"world_size": world, "device": str(device)},
+            "machine": H.machine(),
+            "peak_memory_measures": "peak tensor bytes allocated during one step above those live before it "
+            + ("(torch.cuda.max_memory_allocated)" if cuda else "(CPU profiler allocation events)"),
+            "skipped": skipped,
+            "variants": results,
+        }
+        H.write_json(os.path.join(args.out, "compiled_vs_eager.json"), payload)
+        names = list(results)
+        H.bar_chart(
+            os.path.join(args.out, "compiled_vs_eager.png"),
+            names,
+            [results[n]["median_step_s"] * 1e3 for n in names],
+            [(results[n]["p10_step_s"] * 1e3, results[n]["p90_step_s"] * 1e3) for n in names],
+            f"Llama '{args.size}', {world} ranks, {device.type}: step time (median, p10-p90)",
+            "ms per step",
+        )
+        say(f"wrote {args.out}/compiled_vs_eager.json and .png")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
