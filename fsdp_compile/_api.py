@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_flatten
 from fsdp_compile import capture
 from fsdp_compile.backend import CapturedGraphs, make_backend
 from fsdp_compile.config import CompileConfig
-from fsdp_compile.plan import ShardingPlan, read_plan
+from fsdp_compile.plan import ShardingPlan, check_ranks_agree, read_plan
 from fsdp_compile.report import Bucket, Report, count_collectives
 
 __all__ = ["fully_shard", "compile", "explain", "CompiledFSDPModule"]
@@ -52,7 +52,8 @@ class CompiledFSDPModule(nn.Module):
         self.captured = CapturedGraphs()
         by_name = dict(model.named_parameters())
         self._group_params = [[by_name[p.fqn] for p in g.params] for g in plan.groups]
-        step = _unique_code(_make_step(model, plan), f"fsdp_compile_step_{next(_instances)}")
+        self.kernels = _resolve_kernels(config.kernels, plan)
+        step = _unique_code(_make_step(model, plan, self.kernels), f"fsdp_compile_step_{next(_instances)}")
         self._compiled = torch.compile(
             step, backend=make_backend(config, plan, self.captured, codegen=codegen), fullgraph=True
         )
@@ -92,11 +93,20 @@ class CompiledFSDPModule(nn.Module):
             return getattr(self._orig_mod, name)
 
 
-def _make_step(model, plan):
+def _make_step(model, plan, kernels):
     def step(shards, *args, **kwargs):
-        return capture.traced_forward(model, plan, shards, args, kwargs)
+        return capture.traced_forward(model, plan, kernels, shards, args, kwargs)
 
     return step
+
+
+def _resolve_kernels(kernels: str, plan: ShardingPlan) -> str:
+    """"auto": the Triton kernels on CUDA (when Triton can run), torch ops elsewhere."""
+    if kernels != "auto":
+        return kernels
+    from torch.utils._triton import has_triton
+
+    return "triton" if plan.device.type == "cuda" and has_triton() else "torch"
 
 
 def _unique_code(fn, name: str):
@@ -120,6 +130,7 @@ def compile(model: nn.Module, config: CompileConfig | None = None, **overrides) 
         raise TypeError("this model is already compiled by fsdp_compile.compile; pass the original module")
     config = _resolve_config(model, config, overrides)
     plan = read_plan(model)
+    check_ranks_agree(plan)
     capture.install_hooks(model)
     return CompiledFSDPModule(model, plan, config)
 
@@ -137,6 +148,7 @@ def explain(model: nn.Module, *example_args, config: CompileConfig | None = None
         config, model = config or model.config, model._orig_mod
     config = _resolve_config(model, config, {})
     plan = read_plan(model)
+    check_ranks_agree(plan)
     capture.install_hooks(model)
     compiled = CompiledFSDPModule(model, plan, config, codegen=False)
     from torch._dynamo.utils import counters
@@ -210,7 +222,6 @@ def _check_supported(config: CompileConfig) -> None:
         "bucket_cap_mb": (config.bucket_cap_mb is not None, "the bucketing pass", "bucket_cap_mb=None"),
         "reorder": (config.reorder, "the reordering pass", "reorder=False"),
         "memory_budget_gb": (config.memory_budget_gb is not None, "the reordering pass", "memory_budget_gb=None"),
-        "kernels": (config.kernels == "triton", "the Triton copy kernels", "kernels='auto' or 'torch'"),
     }
     for name, (requested, what, fix) in pending.items():
         if requested:

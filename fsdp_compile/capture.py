@@ -90,7 +90,9 @@ def install_hooks(model: nn.Module) -> None:
             module._forward_hooks[post_id] = _make_post_hook(state, post)
 
 
-def traced_forward(model: nn.Module, plan: ShardingPlan, shards: list[list[torch.Tensor]], args, kwargs):
+def traced_forward(
+    model: nn.Module, plan: ShardingPlan, kernels: str, shards: list[list[torch.Tensor]], args, kwargs
+):
     """The function Dynamo captures: unshard every group's local shards (``shards[i]`` for
     ``plan.groups[i]``), then run the model on the full parameters."""
     full = {}
@@ -100,12 +102,14 @@ def traced_forward(model: nn.Module, plan: ShardingPlan, shards: list[list[torch
             [p.full_shape[0] for p in group.params],
             group.group_name,
             group.world_size,
+            group.rank,
             group.param_dtype,
             group.reduce_dtype,
             group.reduce_op,
             group.pre_factor,
             group.post_factor,
             group.fqn,
+            kernels,
         )
         for p, t in zip(group.params, gathered):
             full[p.fqn] = t

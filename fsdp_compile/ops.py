@@ -82,13 +82,27 @@ def unshard_impl(
     dim0s: list[int],
     group_name: str,
     world_size: int,
+    rank: int,
     param_dtype: torch.dtype | None,
     group_fqn: str,
+    kernels: str,
 ) -> list[Tensor]:
     with fx_traceback.annotate({META_KEY: {"kind": "unshard", "group": group_fqn}}):
+        if kernels == "triton":  # one launch each for copy-in and copy-out (fsdp_compile.kernels)
+            from fsdp_compile import kernels as K
+
+            full_shapes = _full_shapes(shards, dim0s)
+            flat = K.all_gather_copy_in(shards, full_shapes, world_size, rank, dtype=param_dtype, impl="triton")
+            gathered = _c10d.wait_tensor(_c10d.all_gather_into_tensor(flat, world_size, group_name))
+            return K.all_gather_copy_out(gathered, full_shapes, world_size, impl="triton")
+        # torch ops, traced into the graph: Inductor fuses them with their neighbours
         flat = _copy_in(shards, dim0s, world_size, param_dtype)
         gathered = _c10d.wait_tensor(_c10d.all_gather_into_tensor(flat, world_size, group_name))
         return _copy_out(gathered, shards, dim0s, world_size)
+
+
+def _full_shapes(tensors: Sequence[Tensor], dim0s: Sequence[int]) -> list[tuple[int, ...]]:
+    return [(d, *t.shape[1:]) for t, d in zip(tensors, dim0s)]
 
 
 def reduce_scatter_grads_impl(
@@ -96,15 +110,22 @@ def reduce_scatter_grads_impl(
     local_rows: list[int],
     group_name: str,
     world_size: int,
+    rank: int,
     reduce_dtype: torch.dtype,
     orig_dtype: torch.dtype,
     reduce_op: str,
     pre_factor: float | None,
     post_factor: float | None,
     group_fqn: str,
+    kernels: str,
 ) -> list[Tensor]:
     with fx_traceback.annotate({META_KEY: {"kind": "reduce_scatter", "group": group_fqn}}):
-        packed = _pack_grads(grads, world_size, reduce_dtype)
+        if kernels == "triton":
+            from fsdp_compile import kernels as K
+
+            packed = K.reduce_scatter_copy_in(grads, world_size, dtype=reduce_dtype, impl="triton")
+        else:
+            packed = _pack_grads(grads, world_size, reduce_dtype)
         if reduce_op == "premul_sum":  # NCCL's PREMUL_SUM: scale each input, then sum
             packed, reduce_op = packed * pre_factor, "sum"
         elif pre_factor is not None:
@@ -115,6 +136,9 @@ def reduce_scatter_grads_impl(
             reduced = packed.clone()
         if post_factor is not None:
             reduced = reduced / post_factor
+        if kernels == "triton":
+            full_shapes = [tuple(g.shape) for g in grads]
+            return K.reduce_scatter_copy_out(reduced, full_shapes, world_size, rank, dtype=orig_dtype, impl="triton")
         return _unpack_grads(reduced, grads, local_rows, world_size, orig_dtype)
 
 
@@ -152,24 +176,30 @@ def unshard(
     dim0s: list[int],
     group_name: str,
     world_size: int,
+    rank: int,
     param_dtype: torch.dtype | None,
     reduce_dtype: torch.dtype | None,
     reduce_op: str,
     pre_factor: float | None,
     post_factor: float | None,
     group_fqn: str,
+    kernels: str,
 ) -> list[Tensor]:
     """All-gather one FSDP group's dim-0 shards into full parameters (see the module docstring).
 
     The reduce-side arguments are unused in forward; they parametrize the backward, which is
     ``reduce_scatter_grads``. ``dim0s[i]`` is parameter i's unsharded dim-0 size; the trailing dims and
-    the padding come from the shard shapes.
+    the padding come from the shard shapes. ``kernels`` is "torch" (copies traced as torch ops) or
+    "triton" (``fsdp_compile.kernels``, one launch per copy); ``rank`` is only read by the latter.
     """
-    return [t.clone() for t in unshard_impl(shards, dim0s, group_name, world_size, param_dtype, group_fqn)]
+    return [
+        t.clone()
+        for t in unshard_impl(shards, dim0s, group_name, world_size, rank, param_dtype, group_fqn, kernels)
+    ]
 
 
 @unshard.register_fake
-def _(shards, dim0s, group_name, world_size, param_dtype, reduce_dtype, reduce_op, pre_factor, post_factor, group_fqn):
+def _(shards, dim0s, group_name, world_size, rank, param_dtype, reduce_dtype, reduce_op, pre_factor, post_factor, group_fqn, kernels):
     return [
         s.new_empty((d, *s.shape[1:]), dtype=param_dtype or s.dtype) for s, d in zip(shards, dim0s)
     ]
@@ -181,38 +211,40 @@ def reduce_scatter_grads(
     local_rows: list[int],
     group_name: str,
     world_size: int,
+    rank: int,
     reduce_dtype: torch.dtype,
     orig_dtype: torch.dtype,
     reduce_op: str,
     pre_factor: float | None,
     post_factor: float | None,
     group_fqn: str,
+    kernels: str,
 ) -> list[Tensor]:
     """Reduce-scatter full-parameter gradients into this rank's shard gradients (FSDP2's post-backward)."""
     return [
         t.clone()
         for t in reduce_scatter_grads_impl(
-            grads, local_rows, group_name, world_size, reduce_dtype, orig_dtype, reduce_op, pre_factor,
-            post_factor, group_fqn,
+            grads, local_rows, group_name, world_size, rank, reduce_dtype, orig_dtype, reduce_op, pre_factor,
+            post_factor, group_fqn, kernels,
         )
     ]
 
 
 @reduce_scatter_grads.register_fake
-def _(grads, local_rows, group_name, world_size, reduce_dtype, orig_dtype, reduce_op, pre_factor, post_factor, group_fqn):
+def _(grads, local_rows, group_name, world_size, rank, reduce_dtype, orig_dtype, reduce_op, pre_factor, post_factor, group_fqn, kernels):
     return [g.new_empty((rows, *g.shape[1:]), dtype=orig_dtype) for g, rows in zip(grads, local_rows)]
 
 
 def _unshard_setup_context(ctx, inputs, output) -> None:
-    shards, dim0s, group_name, world_size, param_dtype, reduce_dtype, reduce_op, pre, post, group_fqn = inputs
+    shards, dim0s, group_name, world_size, rank, param_dtype, reduce_dtype, reduce_op, pre, post, group_fqn, kernels = inputs
     ctx.local_rows = [s.shape[0] for s in shards]
     ctx.orig_dtypes = [s.dtype for s in shards]
     ctx.trainable = [s.requires_grad for s in shards]
-    ctx.args = (group_name, world_size, reduce_dtype, reduce_op, pre, post, group_fqn)
+    ctx.args = (group_name, world_size, rank, reduce_dtype, reduce_op, pre, post, group_fqn, kernels)
 
 
 def _unshard_backward(ctx, grads):
-    group_name, world_size, reduce_dtype, reduce_op, pre, post, group_fqn = ctx.args
+    group_name, world_size, rank, reduce_dtype, reduce_op, pre, post, group_fqn, kernels = ctx.args
     # Only parameters that require grad (and got one) take part, as in FSDP2's post_backward; the
     # selection is static per trace, so every rank issues the same reduce-scatter.
     keep = [i for i, g in enumerate(grads) if g is not None and ctx.trainable[i]]
@@ -224,16 +256,18 @@ def _unshard_backward(ctx, grads):
             [ctx.local_rows[i] for i in keep],
             group_name,
             world_size,
+            rank,
             reduce_dtype or grads[keep[0]].dtype,
             orig_dtype,
             reduce_op,
             pre,
             post,
             group_fqn,
+            kernels,
         )
         for i, g in zip(keep, reduced):
             shard_grads[i] = g
-    return shard_grads, None, None, None, None, None, None, None, None, None
+    return (shard_grads,) + (None,) * 11
 
 
 unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup_context)
@@ -241,8 +275,8 @@ unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup_contex
 
 # AOTAutograd decomposes our ops into the functional collectives above (see backend.py).
 DECOMPOSITIONS = {
-    torch.ops.fsdp_compile.unshard.default: lambda shards, dim0s, group_name, world_size, param_dtype, *_rest: (
-        unshard_impl(shards, dim0s, group_name, world_size, param_dtype, _rest[-1])
+    torch.ops.fsdp_compile.unshard.default: lambda shards, dim0s, group_name, world_size, rank, param_dtype, *rest: (
+        unshard_impl(shards, dim0s, group_name, world_size, rank, param_dtype, rest[-2], rest[-1])
     ),
     torch.ops.fsdp_compile.reduce_scatter_grads.default: reduce_scatter_grads_impl,
 }

@@ -61,10 +61,20 @@ class GroupPlan:
 @dataclasses.dataclass(frozen=True)
 class ShardingPlan:
     groups: tuple[GroupPlan, ...]
+    device: torch.device  # where the parameters live (one device per rank)
 
     @property
     def param_fqns(self) -> list[str]:
         return [p.fqn for g in self.groups for p in g.params]
+
+    def fingerprint(self) -> list[tuple]:
+        """The rank-independent part of the plan: what every rank must agree on to issue the same
+        collectives in the same order (local shard sizes and the rank itself may differ)."""
+        return [
+            (g.fqn, g.group_name, g.world_size, g.reshard_after_forward, str(g.param_dtype), str(g.reduce_dtype),
+             g.reduce_op, tuple((p.fqn, p.full_shape, str(p.orig_dtype), p.requires_grad) for p in g.params))
+            for g in self.groups
+        ]
 
     def group(self, fqn: str) -> GroupPlan:
         for g in self.groups:
@@ -98,6 +108,31 @@ def lazy_init(model: nn.Module) -> None:
             outer.append(fqn)
 
 
+def check_ranks_agree(plan: ShardingPlan) -> None:
+    """Compare ``plan.fingerprint()`` across ranks once, at compile time.
+
+    Ranks that shard different models would issue different collectives inside the compiled graphs and
+    block until the process group's timeout, or exchange the wrong bytes; this turns that into an error
+    on every rank that names the first difference. Skipped on the fake process group (no peers).
+    """
+    if not dist.is_initialized() or dist.get_backend() == "fake" or dist.get_world_size() == 1:
+        return
+    mine = plan.fingerprint()
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)  # bounded by the default group's timeout
+    for rank, theirs in enumerate(gathered):
+        if theirs == mine:
+            continue
+        diff = next(
+            (f"FSDP group {a[0]!r}: {a} vs {b}" for a, b in zip(mine, theirs) if a != b),
+            f"{len(mine)} FSDP groups vs {len(theirs)}",
+        )
+        raise ValueError(
+            f"rank {dist.get_rank()} and rank {rank} shard different models ({diff}); every rank must build "
+            "the same model and call fully_shard the same way before fsdp_compile.compile"
+        )
+
+
 def read_plan(model: nn.Module) -> ShardingPlan:
     lazy_init(model)
     canonical = {}
@@ -127,7 +162,7 @@ def read_plan(model: nn.Module) -> ShardingPlan:
         raise ValueError(f"FSDP groups live on different devices {sorted(map(str, devices))}; use one device per rank")
     if not groups:
         raise ValueError("the model's FSDP modules manage no parameters: nothing to shard or compile")
-    return ShardingPlan(tuple(groups))
+    return ShardingPlan(tuple(groups), devices.pop())
 
 
 def _read_group(fqn: str, pg, canonical: dict) -> GroupPlan:

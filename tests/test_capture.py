@@ -248,7 +248,6 @@ def dataclasses_FrozenInstanceError():
         (dict(bucket_cap_mb=16), "bucketing pass"),
         (dict(reorder=True), "reordering pass"),
         (dict(memory_budget_gb=1.0), "reordering pass"),
-        (dict(kernels="triton"), "Triton copy kernels"),
     ],
 )
 def test_pending_options_fail_loudly(overrides, match):

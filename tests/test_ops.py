@@ -80,10 +80,10 @@ def gloo_world_1():
 def test_opcheck(gloo_world_1):
     """Schema, fake implementations, autograd registration and dispatch are consistent."""
     shards = [torch.randn(5, 3, requires_grad=True), torch.randn(2, requires_grad=True)]
-    args = (shards, [5, 2], gloo_world_1, 1, torch.bfloat16, torch.float32, "avg", None, None, "layers.0")
+    args = (shards, [5, 2], gloo_world_1, 1, 0, torch.bfloat16, torch.float32, "avg", None, None, "layers.0", "torch")
     torch.library.opcheck(torch.ops.fsdp_compile.unshard.default, args)
     grads = [torch.randn(5, 3), torch.randn(2)]
-    rs_args = (grads, [5, 2], gloo_world_1, 1, torch.float32, torch.float32, "sum", None, None, "layers.0")
+    rs_args = (grads, [5, 2], gloo_world_1, 1, 0, torch.float32, torch.float32, "sum", None, None, "layers.0", "torch")
     torch.library.opcheck(torch.ops.fsdp_compile.reduce_scatter_grads.default, rs_args)
 
 
@@ -91,7 +91,9 @@ def test_unshard_eager_autograd(gloo_world_1):
     """Called eagerly, unshard is the identity on 1 rank (cast to param_dtype) and its backward casts the
     gradient back to the parameter dtype, divided as FSDP2 would (fp16 reduce: pre/post factors)."""
     w = torch.randn(5, 3, requires_grad=True)
-    (full,) = torch.ops.fsdp_compile.unshard([w], [5], gloo_world_1, 1, torch.float16, torch.float16, "sum", 2.0, 4.0, "")
+    (full,) = torch.ops.fsdp_compile.unshard(
+        [w], [5], gloo_world_1, 1, 0, torch.float16, torch.float16, "sum", 2.0, 4.0, "", "torch"
+    )
     assert full.dtype == torch.float16 and torch.equal(full, w.to(torch.float16))
     full.float().sum().backward()
     assert w.grad.dtype == torch.float32 and torch.equal(w.grad, torch.full((5, 3), 1 / 8))

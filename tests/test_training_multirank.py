@@ -151,3 +151,21 @@ def test_inductor_close():
         assert max(diffs) < 1e-5, (rank, diffs)
         assert max(r["grad_diff"]) < 1e-4, (rank, r["grad_diff"])
         assert max(r["param_diff"]) < 1e-4, (rank, r["param_diff"])
+
+
+def mismatch_worker(rank, world_size):
+    import fsdp_compile as fc
+
+    model = build(Case(n_layers=2 + rank))  # rank 1 builds one more block
+    try:
+        fc.compile(model, backend="aot_eager")
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_ranks_with_different_models_fail_fast():
+    """Instead of mismatched collectives (a hang until the timeout), a clear error on every rank."""
+    for rank, msg in enumerate(run_ranks(mismatch_worker, 2, timeout=120)):
+        expected = "3 FSDP groups vs 4" if rank == 0 else "4 FSDP groups vs 3"
+        assert "shard different models" in msg and expected in msg, msg

@@ -1,0 +1,103 @@
+"""All-gather copy-out: the rank-major all-gather output -> every full parameter, padding trimmed.
+
+    gathered: [W * N], viewed [W, N]; rank w's copy of param i is gathered[w, off_i : off_i + n_i]
+    full_i.flatten()[e] = gathered[w, off_i + j]   with w = e // n_i, j = e % n_i, for e < M_i = prod(S_i)
+    full_i: [S_i], contiguous, its own allocation (never a view; the torch impl leaves the padding rows
+            at the end of its storage, as FSDP2's unsharded parameters do), cast to ``dtype``.
+
+Element e of a full parameter is row e // inner_i, and rank w holds rows [w * c_i, (w + 1) * c_i), i.e.
+elements [w * n_i, (w + 1) * n_i): so the parameter is the concatenation of the W rank slices, cut at M_i
+(the padding rows all sit at the end, on the last ranks). A non-contiguous ``gathered`` is made contiguous.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from . import _common as C
+from ._common import tl, triton
+
+if triton is not None:
+
+    @triton.jit
+    def _all_gather_copy_out_kernel(
+        gathered_ptr,  # *IN [W * N]: the all-gather output, rank-major
+        seg_ptr,  # *i64 [S, 4]: per param i (data_ptr of full_i, M_i = prod(S_i), n_i, off_i within a rank's chunk)
+        work_ptr,  # *i64 [P, 2]: per program (param i, first element of its block within [0, M_i))
+        row_stride,  # N = sum(n_i): elements per rank in gathered
+        DST: tl.constexpr,  # tl dtype of every output
+        BLOCK: tl.constexpr,  # elements per program (C.block_size)
+    ):
+        pid = tl.program_id(0)
+        i = tl.load(work_ptr + 2 * pid)
+        start = tl.load(work_ptr + 2 * pid + 1)
+        dst = tl.load(seg_ptr + 4 * i).to(tl.pointer_type(DST))
+        numel = tl.load(seg_ptr + 4 * i + 1)
+        n = tl.load(seg_ptr + 4 * i + 2)
+        off = tl.load(seg_ptr + 4 * i + 3)
+        e = start + tl.arange(0, BLOCK)  # element of full_i
+        w = e // n  # the rank that holds it
+        mask = e < numel
+        x = tl.load(gathered_ptr + w * row_stride + off + (e - w * n), mask=mask)
+        tl.store(dst + e, C.cast_to(x, DST), mask=mask)
+
+
+def _triton(
+    gathered: torch.Tensor, n: Sequence[int], offs: Sequence[int], outs: Sequence[torch.Tensor], world_size: int
+) -> None:
+    numels = [o.numel() for o in outs]
+    block = C.block_size(numels, gathered.device)
+    seg, work, programs = C.build_tables(outs, numels, n, offs, numels, block, gathered.device)
+    C.launch(
+        "all_gather_copy_out", _all_gather_copy_out_kernel, programs, gathered, seg, work, sum(n),
+        DST=C.tl_dtype(outs[0].dtype), BLOCK=block,
+    )
+
+
+def _torch(
+    gathered: torch.Tensor, n: Sequence[int], offs: Sequence[int], padded: Sequence[torch.Tensor], world_size: int
+) -> None:
+    """Reference and CPU path, into every param's *padded* buffer [W * c_i, *S_i[1:]] viewed [W, n_i]
+    (see ``run``): FSDP2's own copy-out, one ``split_with_sizes_copy`` of gathered [W, N] along dim 1; it
+    cannot cast, so a cast goes through split views and one foreach copy instead."""
+    g = gathered.view(world_size, -1)  # [W, N]
+    dsts = [p.view(world_size, -1) for p in padded]
+    if gathered.dtype == padded[0].dtype:
+        torch.split_with_sizes_copy(g, list(n), dim=1, out=dsts)
+    else:
+        torch._foreach_copy_(dsts, list(torch.split_with_sizes(g, list(n), dim=1)))
+
+
+def check(gathered, full_shapes, world_size: int) -> tuple[torch.Tensor, list[tuple], list[int]]:
+    """Returns gathered as 1-D, the shapes and n_i; raises if its size does not match (full_shapes, world_size)."""
+    shapes = C.check_full_shapes(full_shapes)
+    C.check_world(world_size)
+    n = C.padded_numels(shapes, world_size)
+    flat = C.check_flat_input(gathered, "gathered", world_size * sum(n), f"world_size * sum(n_i) = {world_size} * {sum(n)}")
+    return flat, shapes, n
+
+
+def run(gathered, full_shapes, world_size: int, dtype=None, impl: str = "auto") -> list[torch.Tensor]:
+    """Checked entry used by the op."""
+    flat, shapes, n = check(gathered, full_shapes, world_size)
+    C.check_dtype(dtype)
+    dtype = dtype or gathered.dtype
+    impl = C.resolve_impl(impl, gathered.device, (gathered.dtype, dtype))
+    flat = flat if flat.is_contiguous() else flat.contiguous()
+    if impl == "triton":
+        outs = [torch.empty(s, dtype=dtype, device=gathered.device) for s in shapes]
+        if outs:
+            _triton(flat, n, C.offsets(n), outs, world_size)
+        return outs
+    # torch: param i is allocated padded, [W * c_i, *S_i[1:]], as FSDP2 allocates its all-gather outputs:
+    # the padding rows give one foreach copy a [W, n_i] destination per param. Then resize_ trims it to
+    # S_i in place: the first d_i rows, contiguous, a plain tensor (not a view, so autograd and in-place
+    # ops treat it as any fresh tensor), whose storage keeps the few padding rows and is shared with nothing.
+    padded = [torch.empty(world_size * C.padded_rows(s[0], world_size), *s[1:], dtype=dtype, device=gathered.device) for s in shapes]
+    if padded and sum(n) > 0:
+        _torch(flat, n, C.offsets(n), padded, world_size)
+    for p, s in zip(padded, shapes):
+        p.resize_(s)
+    return padded

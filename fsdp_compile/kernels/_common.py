@@ -1,0 +1,392 @@
+"""Shared pieces of the four copy kernels: FSDP2's padded layout, input checks, impl choice, Triton tables.
+
+The layout (FSDP2's, exactly; ``torch.chunk`` along dim 0 as ``fully_shard`` does)::
+
+    full parameter i: shape S_i, d_i = S_i[0] rows, inner_i = prod(S_i[1:]) (1 for a 1-D bias)
+    c_i = ceil(d_i / W)                     padded rows per rank
+    rank r owns rows [r*c_i, min((r+1)*c_i, d_i))   -> rows_r_i in [0, c_i]; possibly none
+    n_i = c_i * inner_i                     padded elements per rank
+    N   = sum_i n_i                         one rank's packed chunk
+    one rank's chunk:      [ p_0 (n_0) | p_1 (n_1) | ... ]      param i at off_i = n_0 + ... + n_{i-1}
+    all-gather output:     [ rank 0 chunk | rank 1 chunk | ... ]   W * N elements, rank-major
+    padding (elements >= rows_r_i * inner_i within a rank's n_i) is always written as zero.
+
+Triton side: every kernel is one launch over a work list. The many-tensor side of a call (shards, full
+parameters or gradients) is reached through a *segment table* (int64 ``[S, 4]``: data pointer, valid
+numel, padded numel ``n_i``, packed offset ``off_i``) and programs through a *work table* (int64 ``[P, 2]``:
+segment, first element of the block), so the launch count does not grow with the number of tensors.
+
+Rounding: torch casts fp32 -> bf16/fp16 with round-to-nearest-even. Under ``TRITON_INTERPRET=1`` Triton's
+fp32 -> bf16 cast truncates (measured: 50% of random values differ by 1 ulp; ``fp_downcast_rounding="rtne"``
+does not help, the interpreter ignores it), so ``cast_to`` rounds to bf16 explicitly with integer
+arithmetic, which is exact on the interpreter and on GPUs alike. The interpreter's fp32 -> fp16 cast is
+numpy's ``astype``, already RTNE (measured: 0 mismatches against torch over 1.8M values including
+subnormals, overflow and random bit patterns), so fp16 uses the plain cast. NaN stays NaN; its payload is
+not compared, because torch itself is not consistent there (CPU vectorized fp32 -> bf16 gives 0xFFFF, the
+scalar path 0x7FC0).
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import math
+from collections.abc import Sequence
+
+import torch
+
+try:  # Triton is optional: the package (and the torch paths) must import without it.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only on machines without triton
+    triton = None
+    tl = None
+
+IMPLS = ("auto", "triton", "torch")
+
+# The dtypes the Triton kernels read and write. fp64 is left to torch: torch's own fp64 -> fp16 cast is
+# not even self-consistent (vectorized path rounds once, scalar path rounds through fp32), so there is no
+# bitwise target to meet.
+TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# Number of Triton launches per kernel name since import; tests assert "one launch per call" with it and
+# bench/kernels.py reports it. Read deltas, never reset.
+LAUNCHES: collections.Counter[str] = collections.Counter()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Layout math. Works on ints and SymInts (fake implementations run it on symbolic sizes).
+
+
+def padded_rows(d, world_size: int):
+    """c = ceil(d / W): rows every rank holds after padding (torch.chunk's chunk size)."""
+    return (d + world_size - 1) // world_size
+
+
+def rank_rows(d, world_size: int, rank: int):
+    """Unpadded rows of a d-row parameter on ``rank``: min(c, max(0, d - rank * c))."""
+    c = padded_rows(d, world_size)
+    if type(d) is int:  # fast path: torch.sym_min/max cost microseconds, and calls carry hundreds of params
+        return min(c, max(0, d - rank * c))
+    return torch.sym_min(c, torch.sym_max(0, d - rank * c))
+
+
+def inner_numel(shape: Sequence) -> int:
+    """prod(S[1:]): elements per row (1 for a 1-D parameter)."""
+    return math.prod(shape[1:])
+
+
+def padded_numels(full_shapes: Sequence[Sequence], world_size: int) -> list:
+    """n_i = ceil(d_i / W) * prod(S_i[1:]) for every parameter."""
+    return [padded_rows(s[0], world_size) * inner_numel(s) for s in full_shapes]
+
+
+def offsets(sizes: Sequence) -> list:
+    """Exclusive prefix sums: where each segment starts in the packed buffer."""
+    out, acc = [], 0
+    for s in sizes:
+        out.append(acc)
+        acc = acc + s
+    return out
+
+
+def flatten_shapes(full_shapes: Sequence[Sequence]) -> tuple[list, list[int]]:
+    """Full shapes -> (concatenated sizes, ndims): the op schemas take lists of lists this way."""
+    return [s for shape in full_shapes for s in shape], [len(shape) for shape in full_shapes]
+
+
+def unflatten_shapes(flat_shapes: Sequence, ndims: Sequence[int]) -> list[tuple]:
+    """Inverse of ``flatten_shapes``."""
+    if sum(ndims) != len(flat_shapes):
+        raise ValueError(
+            f"flat_shapes has {len(flat_shapes)} sizes but ndims {list(ndims)} sums to {sum(ndims)}: "
+            "pass flat_shapes and ndims from fsdp_compile.kernels._common.flatten_shapes(full_shapes)"
+        )
+    starts = offsets(ndims)
+    return [tuple(flat_shapes[s : s + k]) for s, k in zip(starts, ndims)]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Input checks. Every message names the argument and says what to pass instead.
+
+
+def check_world(world_size, rank=None) -> None:
+    if isinstance(world_size, bool) or not isinstance(world_size, int):
+        raise TypeError(f"world_size must be an int (the process group size), got {type(world_size).__name__}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1 (the process group size), got {world_size}")
+    if rank is None:
+        return
+    if isinstance(rank, bool) or not isinstance(rank, int):
+        raise TypeError(f"rank must be an int in [0, world_size), got {type(rank).__name__}")
+    if not 0 <= rank < world_size:
+        raise ValueError(
+            f"rank must be in [0, world_size={world_size}), got {rank}: pass this process's rank in the "
+            "sharding process group (group.rank()), not the global rank"
+        )
+
+
+def check_impl(impl) -> None:
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+
+
+def check_dtype(dtype) -> None:
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype or None (keep the input dtype), got {dtype!r}")
+
+
+def check_full_shapes(full_shapes, name: str = "full_shapes") -> list[tuple]:
+    """A list of non-empty shapes with non-negative sizes; returns them as tuples."""
+    if isinstance(full_shapes, torch.Size) or not isinstance(full_shapes, (list, tuple)):
+        raise TypeError(f"{name} must be a list of shapes (one per parameter), got {type(full_shapes).__name__}")
+    shapes = []
+    for i, shape in enumerate(full_shapes):
+        if not isinstance(shape, (list, tuple, torch.Size)):
+            raise TypeError(f"{name}[{i}] must be a shape (tuple of ints), got {type(shape).__name__}")
+        shape = tuple(shape)
+        if len(shape) == 0:
+            raise ValueError(
+                f"{name}[{i}] is 0-dim; FSDP2 shards dim 0, so every parameter has at least one dim: "
+                "pass 1-element parameters as shape (1,)"
+            )
+        if min(shape) < 0:
+            raise ValueError(f"{name}[{i}] has a negative size: {shape}")
+        shapes.append(shape)
+    return shapes
+
+
+def check_tensor_list(tensors, name: str) -> None:
+    """Non-empty list of tensors with one dtype and one device (one packed buffer holds them all)."""
+    if isinstance(tensors, torch.Tensor) or not isinstance(tensors, (list, tuple)):
+        raise TypeError(f"{name} must be a list of tensors, got {type(tensors).__name__}")
+    if len(tensors) == 0:
+        raise ValueError(f"{name} is empty: pass at least one tensor (the output dtype and device come from it)")
+    t0 = tensors[0]
+    if not isinstance(t0, torch.Tensor):
+        raise TypeError(f"{name}[0] must be a tensor, got {type(t0).__name__}")
+    dtype, device = t0.dtype, t0.device
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}[{i}] must be a tensor, got {type(t).__name__}")
+        if t.dtype != dtype:
+            raise TypeError(
+                f"{name}[{i}] has dtype {t.dtype} but {name}[0] has {dtype}: all tensors of one call "
+                f"share a dtype; cast first, or make one call per dtype"
+            )
+        if t.device != device:
+            raise ValueError(f"{name}[{i}] is on {t.device} but {name}[0] is on {device}: move them to one device")
+        if t.dim() == 0:
+            raise ValueError(f"{name}[{i}] is 0-dim; FSDP2 shards dim 0: reshape it to (1,)")
+
+
+def check_flat_input(t, name: str, expected_numel, what: str) -> torch.Tensor:
+    """The packed side (gathered / reduced): right element count; returned 1-D."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+    if t.numel() != expected_numel:
+        raise ValueError(f"{name} has {t.numel()} elements but {what} = {expected_numel}: {_fix(name)}")
+    return t.reshape(-1)
+
+
+def _fix(name: str) -> str:
+    if name == "gathered":
+        return "pass the whole all-gather output (all ranks' chunks) for exactly these full_shapes and world_size"
+    return "pass this rank's reduce-scatter output for exactly these full_shapes and world_size"
+
+
+def check_out(out, numel, dtype: torch.dtype, device: torch.device) -> None:
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a tensor or None, got {type(out).__name__}")
+    if out.dtype != dtype:
+        raise TypeError(f"out has dtype {out.dtype} but the result is {dtype}: allocate out with dtype={dtype}")
+    if out.device != device:
+        raise ValueError(f"out is on {out.device} but the inputs are on {device}: allocate out on {device}")
+    if out.dim() != 1 or out.numel() != numel:
+        raise ValueError(f"out must be 1-D with {numel} elements, got shape {tuple(out.shape)}")
+    if not out.is_contiguous():
+        raise ValueError("out must be contiguous (it is written in place): pass a contiguous buffer or a narrow() of one")
+
+
+# CPU torch paths: ``torch._chunk_cat`` packs a whole list in one C++ call, no Python work per tensor, and
+# copies as fast as ``copy_`` when the dtype is kept; but its casting copy runs at ~0.5x of ``copy_``.
+# Split views + ``_foreach_copy_`` cast at copy_ speed but cost ~1-3 us of Python per tensor. Measured
+# here (16 tensors, fp32 -> bf16): equal at 4 KiB per tensor, _chunk_cat 15% slower at 16 KiB, 1.7x at
+# 256 KiB. So: _chunk_cat unless casting tensors of 16 KiB or more on average.
+CHUNK_CAT_MAX_CAST_BYTES_PER_TENSOR = 16 * 1024
+
+
+def prefer_chunk_cat(tensors: Sequence[torch.Tensor], out_dtype: torch.dtype) -> bool:
+    if tensors[0].dtype == out_dtype:
+        return True
+    nbytes = sum(t.numel() for t in tensors) * tensors[0].element_size()
+    return nbytes < CHUNK_CAT_MAX_CAST_BYTES_PER_TENSOR * len(tensors)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# impl choice.
+
+
+def interpreting() -> bool:
+    """Whether the @triton.jit kernels were built for the CPU interpreter. Triton decides this when the
+    decorator runs, i.e. from TRITON_INTERPRET at the time fsdp_compile.kernels is imported."""
+    return _INTERPRETED
+
+
+@functools.cache
+def _gpu_triton_usable() -> bool:
+    if triton is None or interpreting():
+        return False
+    from torch.utils._triton import has_triton
+
+    return has_triton()
+
+
+def resolve_impl(impl: str, device: torch.device, dtypes: Sequence[torch.dtype]) -> str:
+    """"auto" -> "triton" on CUDA when Triton compiles for it and the dtypes are ones the kernels handle,
+    else "torch". "triton" is checked here so that a bad request fails with advice, not inside the kernel."""
+    check_impl(impl)
+    if impl == "torch":
+        return impl
+    supported = all(d in TRITON_DTYPES for d in dtypes)
+    if impl == "auto":
+        return "triton" if device.type == "cuda" and supported and _gpu_triton_usable() else "torch"
+    if triton is None:
+        raise RuntimeError("impl='triton' needs the triton package: pip install triton, or pass impl='torch'")
+    if not supported:
+        raise TypeError(
+            f"impl='triton' handles dtypes {[str(d) for d in TRITON_DTYPES]}, got {[str(d) for d in dtypes]}: "
+            "pass impl='torch' (or 'auto') for other dtypes"
+        )
+    if device.type == "cpu" and not interpreting():
+        raise RuntimeError(
+            "impl='triton' on CPU tensors runs only in the Triton interpreter: set TRITON_INTERPRET=1 in the "
+            "environment before fsdp_compile is imported, or pass impl='torch'"
+        )
+    if device.type != "cpu" and interpreting():
+        # The segment tables hold raw device addresses, which the interpreter (running on the host) cannot read.
+        raise RuntimeError(
+            f"impl='triton' on {device.type} tensors cannot run under TRITON_INTERPRET=1: unset it, or pass impl='torch'"
+        )
+    if device.type not in ("cpu", "cuda"):
+        raise RuntimeError(f"impl='triton' runs on cuda (or cpu under the interpreter), not {device.type}: pass impl='torch'")
+    return impl
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Triton launch plumbing.
+
+# Interpreter cost model, measured on this CPU box (probes section 7 and fsdp_compile's own kernels):
+# each program costs a fixed ~0.6 ms plus ~75 ns per element of BLOCK, whatever the mask hides.
+_INTERP_PROGRAM_NS = 600_000
+_INTERP_ELEMENT_NS = 75
+_INTERP_BLOCKS = tuple(1 << k for k in range(8, 17))  # 256 .. 65536
+
+# GPU: 2048 elements per program, 4 warps -> 16 elements per thread, enough bytes in flight per SM for a
+# bandwidth-bound copy while keeping the grid large. Not tuned on hardware (this box has no GPU).
+_GPU_BLOCK = 2048
+_GPU_WARPS = 4
+
+
+def block_size(domains: Sequence[int], device: torch.device) -> int:
+    """Elements per program. On the interpreter, minimize the modeled time over powers of two: few large
+    programs for big tensors, small blocks when every segment is small (a 65536-wide masked block costs
+    the same as a full one)."""
+    if device.type != "cpu":
+        return _GPU_BLOCK
+
+    def cost(b: int) -> int:
+        programs = sum(-(-d // b) for d in domains)
+        return programs * (_INTERP_PROGRAM_NS + b * _INTERP_ELEMENT_NS)
+
+    return min(_INTERP_BLOCKS, key=cost)
+
+
+def tl_dtype(dtype: torch.dtype):
+    return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]
+
+
+@functools.lru_cache(maxsize=256)
+def _work_table(domains: tuple[int, ...], block: int) -> torch.Tensor:
+    """[P, 2] int64 (segment, first element) covering segment i's ``domains[i]`` elements in ``block``-sized
+    pieces; empty segments get no program. Cached: it depends only on the shapes, not on the pointers."""
+    counts = torch.tensor([-(-d // block) for d in domains], dtype=torch.int64)
+    seg = torch.repeat_interleave(torch.arange(len(domains), dtype=torch.int64), counts)
+    first_program = torch.cumsum(counts, 0) - counts  # per segment: index of its first program
+    start = (torch.arange(seg.numel(), dtype=torch.int64) - first_program[seg]) * block
+    return torch.stack([seg, start], dim=1).reshape(-1)
+
+
+def build_tables(
+    tensors: Sequence[torch.Tensor],
+    valid: Sequence[int],
+    padded: Sequence[int],
+    offs: Sequence[int],
+    domains: Sequence[int],
+    block: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Segment table [S, 4] = (data_ptr, valid numel, padded numel n_i, packed offset off_i) and work
+    table [P, 2] = (segment, first element of the block) covering each segment's ``domains[i]`` elements.
+    Both live in one int64 buffer so that a call makes one host-to-device copy."""
+    rows: list[int] = []
+    for t, v, n, o in zip(tensors, valid, padded, offs):
+        rows += (t.data_ptr(), v, n, o)
+    work = _work_table(tuple(int(d) for d in domains), block)
+    table = torch.cat([torch.tensor(rows, dtype=torch.int64), work])
+    if device.type != "cpu":
+        # Pinned + non_blocking: a pageable host-to-device copy would synchronize the stream and stall
+        # the host. The caching host allocator keeps the pinned block alive until the copy has run.
+        table = table.pin_memory().to(device, non_blocking=True)
+    return table[: len(rows)], table[len(rows) :], work.numel() // 2
+
+
+def launch(name: str, kernel, num_programs: int, *args, **kwargs) -> None:
+    """Launch ``kernel`` once on a 1-D grid (counted in LAUNCHES); nothing to do -> no launch."""
+    if num_programs == 0:
+        return
+    if _INTERPRETED:
+        import numpy as np
+
+        # The interpreter casts with numpy, which warns when fp32 -> fp16 overflows to inf: that is the
+        # intended result (torch gives inf too), not an error.
+        with np.errstate(over="ignore"):
+            kernel[(num_programs,)](*args, **kwargs)
+    else:
+        kernel[(num_programs,)](*args, num_warps=_GPU_WARPS, **kwargs)
+    LAUNCHES[name] += 1
+
+
+if triton is not None:
+
+    @triton.jit
+    def _round_to_bf16(x):
+        """fp32 -> bf16 with round-to-nearest-even, by integer arithmetic (the interpreter's cast truncates).
+        Adding 0x7FFF plus the lowest kept bit to the fp32 bits and dropping the low 16 bits rounds ties to
+        even; overflow carries into the exponent (-> inf) exactly as RTNE does. NaN would carry into
+        garbage, so it maps to a quiet NaN with the input's sign."""
+        bits = x.to(tl.uint32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        quiet_nan = ((bits >> 16) & 0x8000) | 0x7FC0
+        out = tl.where(x != x, quiet_nan, rounded)
+        return out.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+    @triton.jit
+    def cast_to(x, DST: tl.constexpr):
+        """x.to(DST), bitwise equal to torch's ``.to(dtype)`` for fp32/bf16/fp16 in every direction.
+        Upcasts are exact; fp16 <- anything is RTNE already; bf16 <- fp32/fp16 goes through ``_round_to_bf16``
+        (fp16 -> fp32 is exact, so rounding once from fp32 is what torch does)."""
+        if DST == tl.bfloat16:
+            if x.dtype != tl.bfloat16:
+                y = _round_to_bf16(x.to(tl.float32))
+            else:
+                y = x
+        else:
+            y = x.to(DST)
+        return y
+
+    from triton.runtime.interpreter import InterpretedFunction
+
+    _INTERPRETED = isinstance(cast_to, InterpretedFunction)
+else:  # pragma: no cover
+    _INTERPRETED = False

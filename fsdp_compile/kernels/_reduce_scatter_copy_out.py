@@ -1,0 +1,78 @@
+"""Reduce-scatter copy-out: this rank's reduced chunk -> each parameter's sharded gradient, padding trimmed.
+
+    reduced: [N = sum_i n_i], this rank's reduce-scatter output, param i at [off_i, off_i + n_i)
+    grad_i = reduced[off_i : off_i + m_i].view(rows_r_i, *S_i[1:]),  m_i = rows_r_i * inner_i
+    each its own allocation (never a view of ``reduced``: the op is functional), cast to ``dtype``.
+
+A non-contiguous ``reduced`` is made contiguous.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from . import _common as C
+from ._common import tl, triton
+
+if triton is not None:
+
+    @triton.jit
+    def _reduce_scatter_copy_out_kernel(
+        reduced_ptr,  # *IN [N]: this rank's reduce-scatter output
+        seg_ptr,  # *i64 [S, 4]: per param i (data_ptr of grad_i, m_i = its numel, n_i (unused here), off_i in reduced)
+        work_ptr,  # *i64 [P, 2]: per program (param i, first element of its block within [0, m_i))
+        DST: tl.constexpr,  # tl dtype of every output
+        BLOCK: tl.constexpr,  # elements per program (C.block_size)
+    ):
+        pid = tl.program_id(0)
+        i = tl.load(work_ptr + 2 * pid)
+        start = tl.load(work_ptr + 2 * pid + 1)
+        dst = tl.load(seg_ptr + 4 * i).to(tl.pointer_type(DST))
+        m = tl.load(seg_ptr + 4 * i + 1)
+        off = tl.load(seg_ptr + 4 * i + 3)
+        e = start + tl.arange(0, BLOCK)  # element of grad_i
+        mask = e < m
+        x = tl.load(reduced_ptr + off + e, mask=mask)
+        tl.store(dst + e, C.cast_to(x, DST), mask=mask)
+
+
+def _triton(reduced: torch.Tensor, n: Sequence[int], offs: Sequence[int], outs: Sequence[torch.Tensor]) -> None:
+    numels = [o.numel() for o in outs]
+    block = C.block_size(numels, reduced.device)
+    seg, work, programs = C.build_tables(outs, numels, n, offs, numels, block, reduced.device)
+    C.launch(
+        "reduce_scatter_copy_out", _reduce_scatter_copy_out_kernel, programs, reduced, seg, work,
+        DST=C.tl_dtype(outs[0].dtype), BLOCK=block,
+    )
+
+
+def _torch(reduced: torch.Tensor, n: Sequence[int], offs: Sequence[int], outs: Sequence[torch.Tensor]) -> None:
+    """Reference and CPU path: split ``reduced`` into (data m_i, padding) views, one foreach copy."""
+    m = [o.numel() for o in outs]
+    views = torch.split_with_sizes(reduced, [x for m_i, n_i in zip(m, n) for x in (m_i, n_i - m_i)])
+    torch._foreach_copy_(list(outs), [v.view(*o.shape) for v, o in zip(views[0::2], outs)])
+
+
+def check(reduced, full_shapes, world_size: int, rank: int) -> tuple[torch.Tensor, list[tuple], list[int]]:
+    """Returns reduced as 1-D, the local shard shapes and n_i; raises if reduced's size does not match."""
+    shapes = C.check_full_shapes(full_shapes)
+    C.check_world(world_size, rank)
+    n = C.padded_numels(shapes, world_size)
+    flat = C.check_flat_input(reduced, "reduced", sum(n), "sum(n_i) for these full_shapes and world_size")
+    local = [(C.rank_rows(s[0], world_size, rank), *s[1:]) for s in shapes]
+    return flat, local, n
+
+
+def run(reduced, full_shapes, world_size: int, rank: int, dtype=None, impl: str = "auto") -> list[torch.Tensor]:
+    """Checked entry used by the op."""
+    flat, local, n = check(reduced, full_shapes, world_size, rank)
+    C.check_dtype(dtype)
+    dtype = dtype or reduced.dtype
+    impl = C.resolve_impl(impl, reduced.device, (reduced.dtype, dtype))
+    outs = [torch.empty(*s, dtype=dtype, device=reduced.device) for s in local]
+    if outs:
+        flat = flat if flat.is_contiguous() else flat.contiguous()
+        (_triton if impl == "triton" else _torch)(flat, n, C.offsets(n), outs)
+    return outs
