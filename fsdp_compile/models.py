@@ -16,6 +16,7 @@ class LlamaArgs:
     dim: int = 64
     n_layers: int = 2
     n_heads: int = 4
+    n_kv_heads: int | None = None  # grouped-query attention (Llama 3); None: as many as n_heads
     ffn_dim: int = 160
     max_seq: int = 64
     tie_embeddings: bool = False
@@ -50,19 +51,23 @@ class Attention(nn.Module):
     def __init__(self, a: LlamaArgs):
         super().__init__()
         self.n_heads, self.head_dim = a.n_heads, a.dim // a.n_heads
+        self.n_kv_heads = a.n_kv_heads or a.n_heads
         self.wq = nn.Linear(a.dim, a.dim, bias=False)
-        self.wk = nn.Linear(a.dim, a.dim, bias=False)
-        self.wv = nn.Linear(a.dim, a.dim, bias=False)
+        self.wk = nn.Linear(a.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(a.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(a.dim, a.dim, bias=False)
 
     def forward(self, x, cache):
         B, S, D = x.shape
         q = self.wq(x).view(B, S, self.n_heads, self.head_dim)
-        k = self.wk(x).view(B, S, self.n_heads, self.head_dim)
-        v = self.wv(x).view(B, S, self.n_heads, self.head_dim)
+        k = self.wk(x).view(B, S, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(B, S, self.n_kv_heads, self.head_dim)
         q, k = apply_rope(q, cache), apply_rope(k, cache)
         # [B, H, S, hd]
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+            enable_gqa=self.n_kv_heads != self.n_heads,
+        )
         return self.wo(o.transpose(1, 2).reshape(B, S, D))
 
 
@@ -121,6 +126,9 @@ SIZES = {
     # name: LlamaArgs; "tiny" is the demo and test default, "small" a CPU benchmark size
     "tiny": LlamaArgs(),
     "small": LlamaArgs(vocab=1024, dim=256, n_layers=4, n_heads=4, ffn_dim=688, max_seq=128),
+    # Llama 3 shapes (Meta's published configs), for explain/simulation on the meta device
+    "llama3-8b": LlamaArgs(vocab=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, max_seq=8192),
+    "llama3-70b": LlamaArgs(vocab=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672, max_seq=8192),
 }
 
 

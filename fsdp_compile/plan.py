@@ -8,6 +8,7 @@ not implement yet are rejected here with ``NotImplementedError`` naming the opti
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -104,8 +105,27 @@ def lazy_init(model: nn.Module) -> None:
     outer: list[str] = []
     for fqn, _, state in states:  # pre-order: an outermost FSDP module comes before its children
         if not any(o == "" or fqn == o or fqn.startswith(o + ".") for o in outer):
-            state._lazy_init()  # idempotent; makes this state the root of its subtree, as its forward would
+            with _allow_meta_params(model):
+                state._lazy_init()  # idempotent; makes this state the root of its subtree, as its forward would
             outer.append(fqn)
+
+
+@contextlib.contextmanager
+def _allow_meta_params(model: nn.Module):
+    """FSDP2's lazy init refuses meta parameters (they must be materialized before training). A model
+    entirely on the meta device is still worth capturing: ``explain`` runs it on meta tensors to report
+    collectives, buckets and costs at full scale with no memory. Mixed meta/real models still fail."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    if not all(p.is_meta for p in model.parameters()):
+        yield
+        return
+    original = FSDPParamGroup._validate_no_meta_params
+    FSDPParamGroup._validate_no_meta_params = lambda self: None
+    try:
+        yield
+    finally:
+        FSDPParamGroup._validate_no_meta_params = original
 
 
 def check_ranks_agree(plan: ShardingPlan) -> None:

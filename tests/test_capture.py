@@ -1,5 +1,7 @@
 """Single-process tests on the fake process group: what the capture puts in the graphs, and its errors."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn as nn
@@ -266,3 +268,23 @@ def test_dump_dir(tmp_path):
     forward = (tmp_path / "graph000_1_forward.txt").read_text()
     assert "all_gather_into_tensor" in forward and "group='layers.0'" in forward
     assert "reduce_scatter_tensor" in (tmp_path / "graph000_2_backward.txt").read_text()
+
+
+def test_explain_meta_device_at_scale():
+    """Llama-3-8B layer shapes (2 of the 32 layers) on the meta device at world 1024: captured and
+    counted with no parameter memory (real fp32 weights would take ~5.9 GB)."""
+    import resource
+
+    from fsdp_compile.models import SIZES
+
+    args = dataclasses.replace(SIZES["llama3-8b"], n_layers=2)
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB
+    with fake_process_group(1024):
+        with torch.device("meta"):
+            model = Llama(args)
+        shard(model, model.layers)
+        report = fc.explain(model, torch.randint(0, 100, (1, 256), device="meta"), config=fc.CompileConfig(backend="aot_eager"))
+    grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before) / 1024
+    assert (report.all_gathers, report.reduce_scatters) == (5, 3)
+    assert report.buckets[1].bytes == 872_448_000  # one 8B block, fp32: 4*(4096*4096*2 + 2*1024*4096 + 3*4096*14336) + 2*4096*4 bytes
+    assert grown_mib < 1000, grown_mib
