@@ -5,7 +5,10 @@
 Variants (each its own model from the same seed, AdamW, the same batches):
   eager           torch's fully_shard, no compile
   torch.compile   torch.compile(model) on the fully_shard model: FSDP2's hooks stay eager (graph breaks)
-  fc:<bucket>     fsdp_compile.compile(model, bucket=...), for every bucket policy that is available
+  fc:none         fsdp_compile.compile(model, bucket="none"): one all-gather/reduce-scatter per parameter
+  fc:fsdp_group   one per FSDP module, where eager FSDP2 issues them
+  fc:auto         cost-model bucketing
+  fc:auto+reorder cost-model bucketing, then prefetching all-gathers and sinking waits
 Per variant: first-step time (includes the compile), median and p10/p90 step time over timed steps run
 in interleaved windows (drift hits every variant alike), collectives per step (Python c10d calls, i.e.
 eager hooks, and collectives inside compiled graphs), peak step memory (tensor bytes allocated by one
@@ -117,6 +120,7 @@ def main():
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--quick", action="store_true", help="tiny model, 10 timed steps: a few minutes on 2 CPU ranks")
+    ap.add_argument("--variants", nargs="*", help="fsdp_compile variants to run (default: all)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
     if "RANK" not in os.environ:
@@ -138,17 +142,16 @@ def main():
         "eager": lambda m: m,
         "torch.compile": lambda m: torch.compile(m, backend=args.backend),
     }
-    skipped = {}
-    for bucket in ("none", "fsdp_group", "auto"):
-        try:
-            fc.CompileConfig(bucket=bucket)
-            from fsdp_compile._api import _check_supported
-
-            _check_supported(fc.CompileConfig(bucket=bucket, backend=args.backend))
-        except NotImplementedError as e:
-            skipped[f"fc:{bucket}"] = str(e)
+    skipped: dict[str, str] = {}
+    for name, overrides in {
+        "fc:none": dict(bucket="none"),
+        "fc:fsdp_group": dict(bucket="fsdp_group"),
+        "fc:auto": dict(bucket="auto"),
+        "fc:auto+reorder": dict(bucket="auto", reorder=True),
+    }.items():
+        if args.variants and name not in args.variants:
             continue
-        makers[f"fc:{bucket}"] = lambda m, b=bucket: fc.compile(m, backend=args.backend, bucket=b)
+        makers[name] = lambda m, o=overrides: fc.compile(m, backend=args.backend, **o)
     variants = [Variant(name, args.size, device, make) for name, make in makers.items()]
     say(f"compiled_vs_eager: Llama '{args.size}', {world} ranks ({'nccl' if cuda else 'gloo'}), backend={args.backend}")
     for name, why in skipped.items():

@@ -7,6 +7,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import fully_shard as _torch_fully_shard
 
 import contextlib
+import dataclasses
 import itertools
 import types
 
@@ -53,7 +54,8 @@ class CompiledFSDPModule(nn.Module):
         by_name = dict(model.named_parameters())
         self._group_params = [[by_name[p.fqn] for p in g.params] for g in plan.groups]
         self.kernels = _resolve_kernels(config.kernels, plan)
-        step = _unique_code(_make_step(model, plan, self.kernels), f"fsdp_compile_step_{next(_instances)}")
+        step = _make_step(model, plan, self.kernels, config.bucket == "none")
+        step = _unique_code(step, f"fsdp_compile_step_{next(_instances)}")
         self._compiled = torch.compile(
             step, backend=make_backend(config, plan, self.captured, codegen=codegen), fullgraph=True
         )
@@ -93,9 +95,9 @@ class CompiledFSDPModule(nn.Module):
             return getattr(self._orig_mod, name)
 
 
-def _make_step(model, plan, kernels):
+def _make_step(model, plan, kernels, per_param):
     def step(shards, *args, **kwargs):
-        return capture.traced_forward(model, plan, kernels, shards, args, kwargs)
+        return capture.traced_forward(model, plan, kernels, per_param, shards, args, kwargs)
 
     return step
 
@@ -130,6 +132,7 @@ def compile(model: nn.Module, config: CompileConfig | None = None, **overrides) 
         raise TypeError("this model is already compiled by fsdp_compile.compile; pass the original module")
     config = _resolve_config(model, config, overrides)
     plan = read_plan(model)
+    _check_against_plan(config, plan)
     check_ranks_agree(plan)
     capture.install_hooks(model)
     return CompiledFSDPModule(model, plan, config)
@@ -148,6 +151,7 @@ def explain(model: nn.Module, *example_args, config: CompileConfig | None = None
         config, model = config or model.config, model._orig_mod
     config = _resolve_config(model, config, {})
     plan = read_plan(model)
+    _check_against_plan(config, plan)
     check_ranks_agree(plan)
     capture.install_hooks(model)
     compiled = CompiledFSDPModule(model, plan, config, codegen=False)
@@ -160,6 +164,9 @@ def explain(model: nn.Module, *example_args, config: CompileConfig | None = None
         if leaves:
             torch.stack([t.float().sum() for t in leaves]).sum().backward()
     fw, bw = count_collectives(compiled.captured.forward), count_collectives(compiled.captured.backward)
+    records = compiled.captured.records
+    by_fqn = {g.fqn: g for g in plan.groups}
+    all_gather_buckets = [b for r in records if r.kind == "forward" for b in r.buckets if b["kind"] == "all_gather"]
     return Report(
         graph_breaks=sum(counters["graph_break"].values()) - breaks_before,
         recompiles=max(0, len(compiled.captured.dynamo) - 1),
@@ -170,9 +177,22 @@ def explain(model: nn.Module, *example_args, config: CompileConfig | None = None
         forward=fw,
         backward=bw,
         buckets=[
-            Bucket(groups=[g.fqn], params=[p.fqn for p in g.params], bytes=g.unsharded_bytes) for g in plan.groups
+            Bucket(
+                groups=b["groups"],
+                params=[p.fqn for fqn in b["groups"] for p in by_fqn[fqn].params],
+                bytes=b["bytes"],
+            )
+            for b in all_gather_buckets
         ],
         backend=config.backend,
+        hardware=records[0].hardware if records else None,
+        est_step_ms=sum(r.after["step_time"] for r in records) * 1e3 if records else None,
+        est_exposed_comm_ms=sum(r.after["exposed_comm_time"] for r in records) * 1e3 if records else None,
+        est_peak_bytes=max(r.peak_after for r in records) if records else None,
+        eager_est_step_ms=sum(r.before["step_time"] for r in records) * 1e3 if records else None,
+        eager_est_exposed_comm_ms=sum(r.before["exposed_comm_time"] for r in records) * 1e3 if records else None,
+        eager_est_peak_bytes=max(r.peak_before for r in records) if records else None,
+        graphs=[{k: v for k, v in dataclasses.asdict(r).items() if k != "stages"} for r in records],
     )
 
 
@@ -211,20 +231,25 @@ def _resolve_config(model: nn.Module, config: CompileConfig | None, overrides: d
     config = config or CompileConfig()
     if overrides:
         config = config.replace(**overrides)
-    _check_supported(config)
     return config
 
 
-def _check_supported(config: CompileConfig) -> None:
-    """Options whose pass has not landed yet fail loudly instead of being silently ignored."""
-    pending = {
-        "bucket": (config.bucket != "fsdp_group", "the bucketing pass", "bucket='fsdp_group'"),
-        "bucket_cap_mb": (config.bucket_cap_mb is not None, "the bucketing pass", "bucket_cap_mb=None"),
-        "reorder": (config.reorder, "the reordering pass", "reorder=False"),
-        "memory_budget_gb": (config.memory_budget_gb is not None, "the reordering pass", "memory_budget_gb=None"),
-    }
-    for name, (requested, what, fix) in pending.items():
-        if requested:
-            raise NotImplementedError(
-                f"{name}={getattr(config, name)!r} needs {what}, which has not landed yet; use {fix}"
+def _check_against_plan(config: CompileConfig, plan: ShardingPlan) -> None:
+    """Bucketing options that name modules or sizes, checked before any trace with one clear error."""
+    groups = [g.fqn for g in plan.groups]
+    if not isinstance(config.bucket, str):
+        seen: set[str] = set()
+        for bucket in config.bucket:
+            for fqn in bucket:
+                if fqn not in groups:
+                    raise ValueError(f"bucket plan names {fqn!r}, which is not an FSDP module; FSDP modules: {groups}")
+                if fqn in seen:
+                    raise ValueError(f"bucket plan names {fqn!r} twice; each FSDP module goes in one bucket")
+                seen.add(fqn)
+    if config.bucket_cap_mb is not None:
+        largest = max(plan.groups, key=lambda g: g.unsharded_bytes)
+        if largest.unsharded_bytes > config.bucket_cap_mb * 2**20:
+            raise ValueError(
+                f"bucket_cap_mb={config.bucket_cap_mb} is below FSDP module {largest.fqn or '<root>'!r}'s "
+                f"{largest.unsharded_bytes / 2**20:.2f} MiB all-gather; raise the cap or leave it None"
             )

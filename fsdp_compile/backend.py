@@ -26,12 +26,32 @@ from fsdp_compile.plan import ShardingPlan
 
 
 @dataclasses.dataclass
+class PassRecord:
+    """What the passes did to one forward or backward graph, and what the cost model predicts."""
+
+    kind: str  # "forward" | "backward"
+    index: int  # which compile of that kind (0 for the first)
+    hardware: str
+    buckets: list[dict]  # {"kind", "groups", "collectives", "bytes"} per bucket, in program order
+    moves: list[str]  # the reordering pass's kept moves, with their reason
+    memory_budget: int  # bytes
+    before: dict  # Schedule.to_dict() of the graph as captured (collectives where eager FSDP2 issues them)
+    after: dict  # ... after bucketing and reordering
+    peak_before: int
+    peak_after: int
+    peak_node: str | None
+    stages: list[tuple[str, str]]  # (stage name, readable graph) when dumps are wanted
+
+
+@dataclasses.dataclass
 class CapturedGraphs:
     """What the backend saw, per compile: read by ``explain`` and the debug dumps."""
 
     dynamo: list[torch.fx.GraphModule] = dataclasses.field(default_factory=list)
     forward: list[torch.fx.GraphModule] = dataclasses.field(default_factory=list)
     backward: list[torch.fx.GraphModule] = dataclasses.field(default_factory=list)
+    records: list[PassRecord] = dataclasses.field(default_factory=list)
+    output_code: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (kind, Inductor's source)
 
 
 def fsdp_meta(node: torch.fx.Node) -> dict | None:
@@ -66,9 +86,15 @@ def make_backend(config: CompileConfig, plan: ShardingPlan, captured: CapturedGr
     """``codegen=False`` (``explain``) stops after our passes: the graphs are what the configured backend
     would receive (Inductor's decompositions included), but nothing is generated."""
     reshard = {g.fqn: g.reshard_after_forward for g in plan.groups}
+    keep_stages = bool(config.dump_dir) or not codegen
 
     def record(kind: str, gm: torch.fx.GraphModule) -> None:
         graphs = getattr(captured, kind)
+        if kind != "dynamo":
+            # forward/backward: collectives where FSDP2 issues them, then our passes
+            place_collectives(gm.graph)
+            captured.records.append(run_passes(gm, kind, len(graphs), config, plan, keep_stages))
+            gm.recompile()
         graphs.append(gm)
         if config.dump_dir:
             _dump(config.dump_dir, kind, len(graphs) - 1, gm)
@@ -76,7 +102,7 @@ def make_backend(config: CompileConfig, plan: ShardingPlan, captured: CapturedGr
     def backend(gm: torch.fx.GraphModule, example_inputs):
         record("dynamo", gm)
         if config.backend == "inductor" and codegen:
-            return _inductor(gm, example_inputs, reshard, record)
+            return _inductor(gm, example_inputs, reshard, record, captured)
         decompositions = DECOMPOSITIONS
         if config.backend == "inductor":
             from torch._inductor.decomposition import select_decomp_table
@@ -87,19 +113,73 @@ def make_backend(config: CompileConfig, plan: ShardingPlan, captured: CapturedGr
     return backend
 
 
+def run_passes(gm, kind: str, index: int, config: CompileConfig, plan: ShardingPlan, keep_stages: bool) -> PassRecord:
+    """Bucketing then reordering on one partitioned graph, in place; returns what they did and predict.
+
+    Every decision comes from the graph and the config (never from timing), so every rank rewrites its
+    identical graph identically and the collectives keep one order on all ranks.
+    """
+    from fsdp_compile import passes
+
+    graph = gm.graph
+    stages = [("captured", _readable(gm))] if keep_stages else []
+    cost = passes.cost_model_for(config.hardware, graph)
+    before = passes.simulate(graph, cost)
+    peak_before = passes.peak_memory(graph)[0]
+    # one budget for both passes, from the graph as captured: eager FSDP2's peak unless the user set one
+    budget = (
+        int(config.memory_budget_gb * 2**30) if config.memory_budget_gb is not None else passes.default_memory_budget(graph)
+    )
+    policy = config.bucket if isinstance(config.bucket, str) else [list(b) for b in config.bucket]
+    buckets = passes.plan_buckets(
+        graph, policy, bucket_cap_mb=config.bucket_cap_mb, memory_budget_bytes=budget, cost_model=cost,
+        known_groups=[g.fqn for g in plan.groups],
+    )
+    bucket_rows = [
+        {
+            "kind": passes.predicates.collective_kind(b[0]),
+            "groups": groups,
+            "collectives": [n.name for n in b],
+            "bytes": sum(passes.predicates.collective_bytes(n) for n in b),
+        }
+        for b, groups in zip(buckets, passes.bucket_groups(buckets))
+    ]
+    if any(len(b) > 1 for b in buckets):
+        passes.apply_buckets(graph, buckets)
+        if keep_stages:
+            stages.append(("bucketed", _readable(gm)))
+    moves: list[str] = []
+    if config.reorder:
+        moves = passes.reorder(graph, cost, memory_budget_bytes=budget).moves
+        if keep_stages:
+            stages.append(("reordered", _readable(gm)))
+    after = passes.simulate(graph, cost)
+    peak_after, peak_node = passes.peak_memory(graph)
+    return PassRecord(
+        kind=kind, index=index, hardware=cost.profile.name, buckets=bucket_rows, moves=moves, memory_budget=budget,
+        before=before.to_dict(), after=after.to_dict(), peak_before=peak_before, peak_after=peak_after,
+        peak_node=None if peak_node is None else peak_node.name, stages=stages,
+    )
+
+
+def _readable(gm: torch.fx.GraphModule) -> str:
+    gm.recompile()
+    text = gm.print_readable(print_output=False, include_stride=False, include_device=False)
+    lines = ["", "# collectives (node -> FSDP group)"]
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and str(node.target).startswith("_c10d_functional."):
+            lines.append(f"# {node.name}: {node.target} group={(fsdp_meta(node) or {}).get('group')!r}")
+    return text + "\n".join(lines) + "\n"
+
+
 def _dump(dump_dir: str, kind: str, index: int, gm: torch.fx.GraphModule) -> None:
-    """Readable graph text (shapes, dtypes, the FSDP group of every collective node) per stage."""
+    """Readable graph text (shapes, dtypes, the FSDP group of every collective node) per compiled graph."""
     import os
 
     os.makedirs(dump_dir, exist_ok=True)
     stage = {"dynamo": 0, "forward": 1, "backward": 2}[kind]
-    path = os.path.join(dump_dir, f"graph{index:03d}_{stage}_{kind}.txt")
-    with open(path, "w") as f:
-        f.write(gm.print_readable(print_output=False, include_stride=False, include_device=False))
-        f.write("\n# collectives (node -> FSDP group)\n")
-        for node in gm.graph.nodes:
-            if node.op == "call_function" and str(node.target).startswith("_c10d_functional."):
-                f.write(f"# {node.name}: {node.target} group={(fsdp_meta(node) or {}).get('group')!r}\n")
+    with open(os.path.join(dump_dir, f"graph{index:03d}_{stage}_{kind}.txt"), "w") as f:
+        f.write(_readable(gm))
 
 
 def _aot_eager(gm, example_inputs, reshard, record, decompositions):
@@ -109,8 +189,6 @@ def _aot_eager(gm, example_inputs, reshard, record, decompositions):
 
     def compiler(kind):
         def compile_graph(g, _inputs):
-            place_collectives(g.graph)
-            g.recompile()
             record(kind, g)
             return make_boxed_func(g.forward)
 
@@ -125,15 +203,18 @@ def _aot_eager(gm, example_inputs, reshard, record, decompositions):
     )(gm, example_inputs)
 
 
-def _inductor(gm, example_inputs, reshard, record):
+def _inductor(gm, example_inputs, reshard, record, captured):
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
     from torch._inductor.decomposition import select_decomp_table
 
     def inner_compile(g, *args, **kwargs):
-        place_collectives(g.graph)
-        g.recompile()
-        record("backward" if kwargs.get("is_backward") else "forward", g)
-        return compile_fx_inner(g, *args, **kwargs)
+        kind = "backward" if kwargs.get("is_backward") else "forward"
+        record(kind, g)
+        out = compile_fx_inner(g, *args, **kwargs)
+        source = getattr(out, "source_code", None)
+        if source:
+            captured.output_code.append((kind, source))
+        return out
 
     return compile_fx(
         gm,

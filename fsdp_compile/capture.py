@@ -19,6 +19,7 @@ where FSDP2's pre-forward hook would have issued it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -91,29 +92,37 @@ def install_hooks(model: nn.Module) -> None:
 
 
 def traced_forward(
-    model: nn.Module, plan: ShardingPlan, kernels: str, shards: list[list[torch.Tensor]], args, kwargs
+    model: nn.Module, plan: ShardingPlan, kernels: str, per_param: bool, shards: list[list[torch.Tensor]], args, kwargs
 ):
     """The function Dynamo captures: unshard every group's local shards (``shards[i]`` for
-    ``plan.groups[i]``), then run the model on the full parameters."""
+    ``plan.groups[i]``), then run the model on the full parameters. ``per_param`` (``bucket="none"``)
+    gives every parameter its own all-gather and reduce-scatter instead of one per FSDP group."""
     full = {}
     for group, group_shards in zip(plan.groups, shards):
-        gathered = torch.ops.fsdp_compile.unshard(
-            group_shards,
-            [p.full_shape[0] for p in group.params],
-            group.group_name,
-            group.world_size,
-            group.rank,
-            group.param_dtype,
-            group.reduce_dtype,
-            group.reduce_op,
-            group.pre_factor,
-            group.post_factor,
-            group.fqn,
-            kernels,
-        )
-        for p, t in zip(group.params, gathered):
-            full[p.fqn] = t
+        if per_param:
+            for p, shard in zip(group.params, group_shards):
+                full.update(_unshard(dataclasses.replace(group, params=(p,)), [shard], kernels))
+        else:
+            full.update(_unshard(group, group_shards, kernels))
     return torch.func.functional_call(model, full, args, kwargs, tie_weights=True, strict=False)
+
+
+def _unshard(group, group_shards, kernels: str) -> dict[str, torch.Tensor]:
+    gathered = torch.ops.fsdp_compile.unshard(
+        group_shards,
+        [p.full_shape[0] for p in group.params],
+        group.group_name,
+        group.world_size,
+        group.rank,
+        group.param_dtype,
+        group.reduce_dtype,
+        group.reduce_op,
+        group.pre_factor,
+        group.post_factor,
+        group.fqn,
+        kernels,
+    )
+    return {p.fqn: t for p, t in zip(group.params, gathered)}
 
 
 def _classify(graph: torch.fx.Graph) -> tuple[set[torch.fx.Node], set[torch.fx.Node]]:

@@ -32,18 +32,26 @@ class Report:
     all_reduces: int
     forward: dict[str, int]  # per-graph collective counts
     backward: dict[str, int]
-    buckets: list[Bucket]
+    buckets: list[Bucket]  # the forward all-gather buckets
     backend: str
-    # Filled by the cost model and simulator (the passes issue); None until they run.
+    hardware: str | None = None  # the cost-model profile used for the estimates
+    # Predicted by the cost model and simulator for forward + backward after our passes ...
     est_step_ms: float | None = None
     est_exposed_comm_ms: float | None = None
     est_peak_bytes: int | None = None
+    # ... and for the graphs as captured, before bucketing and reordering (with bucket="fsdp_group": every
+    # collective where eager FSDP2 issues it, without its prefetch)
+    eager_est_step_ms: float | None = None
+    eager_est_exposed_comm_ms: float | None = None
+    eager_est_peak_bytes: int | None = None
+    graphs: list[dict] = dataclasses.field(default_factory=list)  # per graph: buckets, moves, schedules (backend.PassRecord)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
 
     def to_markdown(self) -> str:
-        est = lambda v, unit="": "n/a (cost model not run)" if v is None else f"{v:.3f}{unit}"  # noqa: E731
+        est = lambda v, unit="": "n/a" if v is None else f"{v:.3f}{unit}"  # noqa: E731
+        mib = lambda v: "n/a" if v is None else f"{v / 2**20:.1f} MiB"  # noqa: E731
         lines = [
             "# fsdp_compile report",
             "",
@@ -52,11 +60,12 @@ class Report:
             f"- collectives per step: {self.all_gathers} all-gathers ({self.forward['all_gathers']} forward, "
             f"{self.backward['all_gathers']} backward), {self.reduce_scatters} reduce-scatters, "
             f"{self.all_reduces} all-reduces",
-            f"- predicted step: {est(self.est_step_ms, ' ms')}, exposed communication: "
-            f"{est(self.est_exposed_comm_ms, ' ms')}, peak memory: "
-            f"{'n/a' if self.est_peak_bytes is None else f'{self.est_peak_bytes / 2**20:.1f} MiB'}",
+            f"- predicted on `{self.hardware}` (forward + backward): step {est(self.est_step_ms, ' ms')}, exposed "
+            f"communication {est(self.est_exposed_comm_ms, ' ms')}, peak {mib(self.est_peak_bytes)}",
+            f"- the graphs as captured (before bucketing and reordering): step {est(self.eager_est_step_ms, ' ms')}, "
+            f"exposed communication {est(self.eager_est_exposed_comm_ms, ' ms')}, peak {mib(self.eager_est_peak_bytes)}",
             "",
-            "| bucket | FSDP modules | parameters | unsharded MiB |",
+            "| forward all-gather bucket | FSDP modules | parameters | unsharded MiB |",
             "|---|---|---|---|",
         ]
         for i, b in enumerate(self.buckets):
@@ -65,9 +74,10 @@ class Report:
         return "\n".join(lines) + "\n"
 
     def save_timeline(self, path: str) -> None:
-        raise NotImplementedError(
-            "save_timeline needs the schedule simulator (fsdp_compile.passes.simulate), which has not landed yet"
-        )
+        """The predicted schedule as a picture: ``.png`` (matplotlib) or a self-contained ``.html``."""
+        from fsdp_compile.debug.timeline import save_timeline
+
+        save_timeline(self, path)
 
 
 def count_collectives(graphs) -> dict[str, int]:

@@ -32,12 +32,17 @@ class Case:
     steps: int = 3
     accum: int = 1  # micro-batches per optimizer step (gradient accumulation)
     n_layers: int = 2
+    bucket: object = "fsdp_group"  # CompileConfig.bucket (an explicit plan as a tuple of tuples)
+    reorder: bool = False
 
     @property
     def name(self) -> str:
         parts = [self.model, f"reshard={self.reshard}", f"mp={self.mp}", self.backend]
         if self.accum > 1:
             parts.append(f"accum={self.accum}")
+        if self.bucket != "fsdp_group" or self.reorder:
+            bucket = self.bucket if isinstance(self.bucket, str) else "plan"
+            parts.append(f"bucket={bucket}" + ("+reorder" if self.reorder else ""))
         return "-".join(parts)
 
 
@@ -101,7 +106,7 @@ def run_case(case: Case, rank: int, world_size: int) -> dict:
     import fsdp_compile as fc
 
     eager, comp = build(case), build(case)
-    compiled = fc.compile(comp, backend=case.backend)
+    compiled = fc.compile(comp, backend=case.backend, bucket=case.bucket, reorder=case.reorder)
     opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-2)
     opt_c = torch.optim.AdamW(compiled.parameters(), lr=1e-2)
     out = {"loss_eager": [], "loss_compiled": [], "grad_diff": [], "param_diff": []}
@@ -126,6 +131,11 @@ def run_case(case: Case, rank: int, world_size: int) -> dict:
 
     out["forward"] = count_collectives(compiled.captured.forward[:1])
     out["backward"] = count_collectives(compiled.captured.backward[:1])
+    import hashlib
+
+    out["graph_hash"] = hashlib.sha256(
+        "".join(g.code for g in compiled.captured.forward + compiled.captured.backward).encode()
+    ).hexdigest()
     return out
 
 

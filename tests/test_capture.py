@@ -245,18 +245,29 @@ def dataclasses_FrozenInstanceError():
 @pytest.mark.parametrize(
     "overrides, match",
     [
-        (dict(bucket="auto"), "bucketing pass"),
-        (dict(bucket=[["layers.0"]]), "bucketing pass"),
-        (dict(bucket_cap_mb=16), "bucketing pass"),
-        (dict(reorder=True), "reordering pass"),
-        (dict(memory_budget_gb=1.0), "reordering pass"),
+        (dict(bucket=[["layers.0", "layers.9"]]), "names 'layers.9', which is not an FSDP module"),
+        (dict(bucket=[["layers.0"], ["layers.0"]]), "names 'layers.0' twice"),
+        (dict(bucket_cap_mb=0.01), r"bucket_cap_mb=0.01 is below FSDP module .*all-gather"),
     ],
 )
-def test_pending_options_fail_loudly(overrides, match):
-    """An option whose pass has not landed must not be silently ignored."""
+def test_bucket_options_checked_before_tracing(overrides, match):
     with fake_process_group(2):
-        with pytest.raises(NotImplementedError, match=match):
+        with pytest.raises(ValueError, match=match):
             fc.compile(llama(1), **overrides)
+
+
+def test_explain_fills_estimates():
+    """auto bucketing + reordering, scored by the same simulator: never slower or more exposed than the
+    graphs as captured, and within the default memory budget (eager FSDP2's predicted peak)."""
+    with fake_process_group(8):
+        config = fc.CompileConfig(backend="aot_eager", bucket="auto", reorder=True, hardware="h100-nvlink")
+        report = fc.explain(llama(4), tokens(), config=config)
+    assert report.hardware == "h100-nvlink"
+    assert 0 < report.est_step_ms <= report.eager_est_step_ms
+    assert 0 <= report.est_exposed_comm_ms <= report.eager_est_exposed_comm_ms
+    assert all(g["peak_after"] <= g["memory_budget"] for g in report.graphs)
+    assert sum(len(b.groups) for b in report.buckets) == 5  # every group in exactly one forward bucket
+    assert [g["kind"] for g in report.graphs] == ["forward", "backward"]
 
 
 def test_dump_dir(tmp_path):

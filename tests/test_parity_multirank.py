@@ -26,6 +26,13 @@ CASES_2 = [
     Case(mp="bf16_reduce_bf16"),
     Case(model="odd", mp="fp16"),  # fp16 reduce: FSDP2's pre/post divide instead of AVG
     Case(accum=2),
+    # the passes only merge and move collectives and copies: numerics stay bitwise
+    Case(bucket="none"),
+    Case(bucket="auto"),
+    Case(bucket="auto", reorder=True, n_layers=3),
+    Case(bucket=(("", "layers.0"), ("layers.1",)), reorder=True),
+    Case(model="odd", bucket="auto", reorder=True),
+    Case(mp="bf16", bucket="auto", reorder=True),
 ]
 CASES_4 = [Case(n_layers=3), Case(model="odd"), Case(model="llama_tied", mp="bf16")]
 
@@ -58,6 +65,22 @@ def test_bitwise_2_ranks(results_2, case):
 @pytest.mark.parametrize("case", CASES_4, ids=lambda c: c.name)
 def test_bitwise_4_ranks(results_4, case):
     _check_bitwise(results_4, case)
+
+
+def test_graphs_identical_on_every_rank(results_2):
+    """Every pass decision comes from the graph and the config: evenly sharded models compile to the same
+    graphs on every rank (the uneven OddMLP's shard shapes differ by rank, so its graphs do too)."""
+    for case in CASES_2:
+        if case.model != "odd":
+            assert results_2[0][case.name]["graph_hash"] == results_2[1][case.name]["graph_hash"], case.name
+
+
+def test_bucketing_counts(results_2):
+    r = results_2[0]
+    none = r[Case(bucket="none").name]
+    assert none["forward"]["all_gathers"] == 3 + 2 * 9  # one per parameter: the root 3, each block 9
+    plan = r[Case(bucket=(("", "layers.0"), ("layers.1",)), reorder=True).name]
+    assert plan["forward"]["all_gathers"] == 2
 
 
 def test_collectives_like_eager(results_2):

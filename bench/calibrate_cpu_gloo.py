@@ -1,0 +1,185 @@
+"""Calibrate the ``cpu-gloo`` cost-model profile (``fsdp_compile/passes/cost_model.py``) on this machine.
+
+Spawns 2 gloo ranks on 127.0.0.1 (``torch.multiprocessing`` spawn + ``FileStore``), 1 thread each, and
+measures, on both ranks at once (as in training):
+
+* ``_c10d_functional.all_gather_into_tensor`` and ``reduce_scatter_tensor`` (+ ``wait_tensor``), the ops
+  our graphs run, over message sizes 4 KiB .. 16 MiB; fits ``t = alpha + bytes * (W-1)/W / bus_bw``
+  (least squares on relative error) and reports ``step_latency = alpha / (W-1)`` and ``bus_bw``. With 2
+  ranks the per-collective base latency and the per-step latency cannot be told apart, so all of alpha
+  goes into ``step_latency`` and ``base_latency`` is 0;
+* fp32 and bf16 matmul GFLOP/s (``torch.mm``, 512 and 1024 square);
+* memory bandwidth as bytes moved (read + write) per second by ``Tensor.copy_`` of 64 MiB;
+* per-node overhead: an FX GraphModule of 500 dependent ``aten.add`` (or ``aten.view``) calls on a
+  1-element tensor, per node: what ``aot_eager``, which runs the graph node by node, pays per op (view).
+
+Usage: ``python bench/calibrate_cpu_gloo.py [--json out.json]``. Prints medians per size and the fitted
+constants to paste into ``CPU_GLOO``. Takes ~30 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+W = 2
+SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20]  # bytes gathered / reduced
+
+
+def _timeit(fn, min_reps=5, min_time=0.2) -> float:
+    fn()  # warm-up
+    times = []
+    start = time.perf_counter()
+    while len(times) < min_reps or time.perf_counter() - start < min_time:
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+        if len(times) > 2000:
+            break
+    return statistics.median(times)
+
+
+CHAIN = 500
+
+
+def _chain(target, extra_args):
+    """An FX GraphModule of ``CHAIN`` dependent calls of ``target``: how ``aot_eager`` runs a graph."""
+    import torch.fx as fx
+
+    g = fx.Graph()
+    y = g.placeholder("x")
+    for _ in range(CHAIN):
+        y = g.call_function(target, (y, *extra_args))
+    g.output(y)
+    return fx.GraphModule(torch.nn.Module(), g)
+
+
+def _agreed(t: float) -> float:
+    """The slower rank's median: a collective ends when both ranks are done."""
+    x = torch.tensor([t], dtype=torch.float64)
+    dist.all_reduce(x, op=dist.ReduceOp.MAX)
+    return float(x)
+
+
+def _worker(rank: int, store_path: str, out_path: str) -> None:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, W), rank=rank, world_size=W)
+    c10d = torch.ops._c10d_functional
+    group_name = dist.group.WORLD.group_name
+    res: dict = {"collectives": {}}
+    try:
+        for kind in ("all_gather", "reduce_scatter"):
+            rows = []
+            for nbytes in SIZES:
+                numel = nbytes // 4
+                if kind == "all_gather":
+                    x = torch.randn(numel // W)
+
+                    def fn(x=x):
+                        c10d.wait_tensor(c10d.all_gather_into_tensor(x, W, group_name))
+                else:
+                    x = torch.randn(numel)
+
+                    def fn(x=x):
+                        c10d.wait_tensor(c10d.reduce_scatter_tensor(x, "sum", W, group_name))
+
+                # the same number of repetitions on both ranks, or the collectives would not match
+                reps = 200 if nbytes <= (256 << 10) else 40 if nbytes <= (4 << 20) else 10
+                fn()
+                times = []
+                for _ in range(reps):
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    fn()
+                    times.append(time.perf_counter() - t0)
+                rows.append((nbytes, _agreed(statistics.median(times))))
+            res["collectives"][kind] = rows
+
+        # compute, both ranks busy at once
+        dist.barrier()
+        flops = {}
+        for dtype in (torch.float32, torch.bfloat16):
+            rates = []
+            for n in (512, 1024):
+                a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+                rates.append(2 * n**3 / _timeit(lambda: torch.mm(a, b), min_time=0.5))
+            flops[str(dtype)] = max(rates)
+        src, dst = torch.empty(16 << 20), torch.empty(16 << 20)  # 64 MiB fp32
+        src.fill_(1.0)
+        mem_bw = 2 * src.nbytes / _timeit(lambda: dst.copy_(src), min_time=0.5)
+        one = torch.ones(1)
+        adds = _chain(torch.ops.aten.add.Tensor, (1,))
+        views = _chain(torch.ops.aten.view.default, ([-1],))
+        overhead = _timeit(lambda: adds(one), min_time=0.5) / CHAIN
+        view_overhead = _timeit(lambda: views(one), min_time=0.5) / CHAIN
+        # rank 0's numbers; both ranks ran at once
+        res.update(flops=flops, mem_bw=mem_bw, op_overhead=overhead, view_overhead=view_overhead)
+        if rank == 0:
+            with open(out_path, "w") as f:
+                json.dump(res, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def fit(rows: list[tuple[int, float]], world_size: int = W) -> tuple[float, float]:
+    """Least squares of ``t = alpha + x / bw`` with ``x = bytes * (W-1)/W``, on relative error."""
+    # minimize sum(((alpha + beta x) - t)^2 / t^2): weighted normal equations
+    s = [(1 / t**2, nbytes * (world_size - 1) / world_size, t) for nbytes, t in rows]
+    a11 = sum(w for w, x, t in s)
+    a12 = sum(w * x for w, x, t in s)
+    a22 = sum(w * x * x for w, x, t in s)
+    b1 = sum(w * t for w, x, t in s)
+    b2 = sum(w * x * t for w, x, t in s)
+    det = a11 * a22 - a12 * a12
+    alpha = (b1 * a22 - b2 * a12) / det
+    beta = (a11 * b2 - a12 * b1) / det
+    return max(alpha, 0.0), 1.0 / beta
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="also write the measurements and the fit here")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "out.json")
+        mp.spawn(_worker, args=(os.path.join(tmp, "store"), out), nprocs=W, join=True)
+        with open(out) as f:
+            res = json.load(f)
+    print(f"cpu-gloo calibration, {datetime.date.today()}, {W} gloo ranks on 127.0.0.1, 1 thread per rank")
+    fits = {}
+    for kind, rows in res["collectives"].items():
+        print(f"  {kind}:")
+        for nbytes, t in rows:
+            print(f"    {nbytes / 1024:>8.0f} KiB  {t * 1e6:>10.1f} us  ({nbytes * (W - 1) / W / t / 1e9:.2f} GB/s bus)")
+        alpha, bw = fit(rows)
+        fits[kind] = {"step_latency": alpha / (W - 1), "bus_bw": bw}
+        print(f"    fit: step_latency = {alpha / (W - 1) * 1e6:.1f} us, bus_bw = {bw / 1e9:.2f} GB/s")
+    step = statistics.mean(f["step_latency"] for f in fits.values())
+    bw = statistics.mean(f["bus_bw"] for f in fits.values())
+    print(f"  matmul fp32: {res['flops']['torch.float32'] / 1e9:.1f} GFLOP/s, bf16: {res['flops']['torch.bfloat16'] / 1e9:.1f} GFLOP/s")
+    print(f"  memory: {res['mem_bw'] / 1e9:.2f} GB/s moved (read + write)")
+    print(f"  per-node overhead in an FX graph: {res['op_overhead'] * 1e6:.2f} us per op, {res['view_overhead'] * 1e6:.2f} us per view")
+    print("CPU_GLOO constants:")
+    print(f"  matmul_flops_fp32={res['flops']['torch.float32'] / 1e9:.1f} * 1e9,")
+    print(f"  matmul_flops_lowp={res['flops']['torch.bfloat16'] / 1e9:.1f} * 1e9,")
+    print(f"  mem_bw={res['mem_bw'] / 1e9:.2f} * GB,")
+    print(f"  op_overhead={res['op_overhead'] * 1e6:.2f} * US,")
+    print(f"  view_overhead={res['view_overhead'] * 1e6:.2f} * US,")
+    print(f"  intra=LinkProfile(bus_bw={bw / 1e9:.2f} * GB, step_latency={step * 1e6:.1f} * US, base_latency=0.0),")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({**res, "fit": fits, "date": str(datetime.date.today())}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,303 @@
+"""Node predicates shared by every pass: which FX nodes are collectives, waits, FSDP copy-in/copy-out.
+
+The graphs our passes see are AOTAutograd's partitioned forward and backward graphs, after
+``capture.place_collectives``. ``ops.unshard`` decomposes into plain functional collectives::
+
+    copy-in (views, convert_element_type, constant_pad_nd, cat | clone)          forward / recomputed
+      -> _c10d_functional.all_gather_into_tensor(flat, W, group_name) -> wait_tensor
+      -> copy-out (view [W, -1], slice, clone, _unsafe_view per parameter)
+    pack (convert_element_type, constant_pad_nd, view [W, -1], cat dim 1, view -1)    backward
+      -> _c10d_functional.reduce_scatter_tensor(packed, "avg" | "sum", W, group_name) -> wait_tensor
+      -> unpack (slice, view, convert_element_type per parameter)
+
+Every node of both chains carries ``node.meta["custom"]["fsdp_compile"] == {"kind": "unshard", "group": fqn}``
+(the backward chain inherits the forward op's annotation); the bucketing pass adds ``"bucket": (fqn, ...)``
+to the nodes it creates. Which collective a node is comes from its target, never from the annotation.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Iterable
+
+import torch
+import torch.fx as fx
+
+from fsdp_compile.ops import META_KEY
+
+_c10d = torch.ops._c10d_functional
+
+ALL_GATHER_OPS = frozenset({_c10d.all_gather_into_tensor.default})
+REDUCE_SCATTER_OPS = frozenset({_c10d.reduce_scatter_tensor.default})
+ALL_REDUCE_OPS = frozenset({_c10d.all_reduce.default})
+# Collectives the simulator knows how to time but that no pass rewrites.
+_OTHER_COLLECTIVE_OPS = frozenset(
+    {
+        _c10d.all_gather_into_tensor_out.default,
+        _c10d.all_reduce_.default,
+        _c10d.all_to_all_single.default,
+        _c10d.broadcast.default,
+        _c10d.all_gather_into_tensor_coalesced.default,
+        _c10d.reduce_scatter_tensor_coalesced.default,
+    }
+)
+COLLECTIVE_OPS = ALL_GATHER_OPS | REDUCE_SCATTER_OPS | ALL_REDUCE_OPS | _OTHER_COLLECTIVE_OPS
+WAIT_OPS = frozenset({_c10d.wait_tensor.default})
+
+_KIND = {
+    **{op: "all_gather" for op in ALL_GATHER_OPS | {_c10d.all_gather_into_tensor_out.default, _c10d.all_gather_into_tensor_coalesced.default}},
+    **{op: "reduce_scatter" for op in REDUCE_SCATTER_OPS | {_c10d.reduce_scatter_tensor_coalesced.default}},
+    **{op: "all_reduce" for op in ALL_REDUCE_OPS | {_c10d.all_reduce_.default}},
+    _c10d.all_to_all_single.default: "all_to_all",
+    _c10d.broadcast.default: "broadcast",
+}
+
+
+def _is_call(node: fx.Node, ops) -> bool:
+    return node.op == "call_function" and node.target in ops
+
+
+def is_all_gather(node: fx.Node) -> bool:
+    """``_c10d_functional.all_gather_into_tensor`` (the only all-gather our passes rewrite)."""
+    return _is_call(node, ALL_GATHER_OPS)
+
+
+def is_reduce_scatter(node: fx.Node) -> bool:
+    """``_c10d_functional.reduce_scatter_tensor``."""
+    return _is_call(node, REDUCE_SCATTER_OPS)
+
+
+def is_all_reduce(node: fx.Node) -> bool:
+    """``_c10d_functional.all_reduce`` (HSDP's replicate-dimension reduction, DDP-style grads)."""
+    return _is_call(node, ALL_REDUCE_OPS)
+
+
+def is_collective(node: fx.Node) -> bool:
+    """Any functional collective that returns before completion and is finished by a ``wait_tensor``."""
+    return _is_call(node, COLLECTIVE_OPS)
+
+
+def is_wait(node: fx.Node) -> bool:
+    """``_c10d_functional.wait_tensor``."""
+    return _is_call(node, WAIT_OPS)
+
+
+def collective_kind(node: fx.Node) -> str | None:
+    """``"all_gather" | "reduce_scatter" | "all_reduce" | "all_to_all" | "broadcast"``, or None."""
+    return _KIND.get(node.target) if node.op == "call_function" else None
+
+
+def wait_of(collective: fx.Node) -> fx.Node | None:
+    """The ``wait_tensor`` that finishes ``collective`` (None if it is never waited in this graph)."""
+    for user in collective.users:
+        if is_wait(user):
+            return user
+    return None
+
+
+def collective_of(wait: fx.Node) -> fx.Node | None:
+    """The collective a ``wait_tensor`` finishes (None for a wait on anything else)."""
+    if not is_wait(wait):
+        return None
+    src = wait.args[0]
+    # coalesced collectives return a list: wait(getitem(coll, i))
+    if isinstance(src, fx.Node) and src.op == "call_function" and src.target is operator.getitem and src.args:
+        src = src.args[0]
+    return src if isinstance(src, fx.Node) and is_collective(src) else None
+
+
+def _arg(node: fx.Node, index: int, name: str):
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs[name]
+
+
+def process_group_name(node: fx.Node) -> str:
+    """The c10d group name a collective runs on (``group_name`` argument)."""
+    kind = collective_kind(node)
+    if kind is None:
+        raise ValueError(f"{node.name} ({node.target}) is not a functional collective")
+    index = {"all_gather": 2, "reduce_scatter": 3, "all_reduce": 2, "all_to_all": 3, "broadcast": 2}[kind]
+    return str(_arg(node, index, "group_name"))
+
+
+def world_size(node: fx.Node) -> int:
+    """The number of ranks a collective runs over.
+
+    All-gather and reduce-scatter carry it as ``group_size``; for the others it is looked up from the
+    registered process group by name (needs an initialized process group, real or fake).
+    """
+    kind = collective_kind(node)
+    if kind == "all_gather":
+        return int(_arg(node, 1, "group_size"))
+    if kind == "reduce_scatter":
+        return int(_arg(node, 2, "group_size"))
+    if kind is None:
+        raise ValueError(f"{node.name} ({node.target}) is not a functional collective")
+    from torch.distributed.distributed_c10d import _get_group_size_by_name
+
+    name = process_group_name(node)
+    try:
+        return int(_get_group_size_by_name(name))
+    except Exception as e:  # noqa: BLE001 - re-raised with the node and group named
+        raise ValueError(f"cannot find the size of process group {name!r} used by {node.name}: {e}") from None
+
+
+def reduce_op(node: fx.Node) -> str | None:
+    """``"sum" | "avg" | ...`` for a reduce-scatter / all-reduce, None for other collectives."""
+    kind = collective_kind(node)
+    if kind in ("reduce_scatter", "all_reduce"):
+        return str(_arg(node, 1, "reduce_op"))
+    return None
+
+
+# --- sizes ----------------------------------------------------------------------------------------
+
+
+def _hint(x) -> int:
+    """An int for a size. Symbolic sizes give their hint: ``int(SymInt)`` would install a guard that
+    specializes the compiled graph to this size (one recompile per new sequence length)."""
+    if isinstance(x, int):
+        return x
+    from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+    return int(optimization_hint(x, fallback=8192))  # unbacked sizes (no hint): assume a long sequence
+
+
+def tensor_bytes(val) -> int:
+    """Bytes of a tensor's elements (``numel * itemsize``; size hints for symbolic shapes)."""
+    if not isinstance(val, torch.Tensor):
+        return 0
+    return math.prod(_hint(s) for s in val.shape) * val.dtype.itemsize
+
+
+def val_tensors(val) -> list[torch.Tensor]:
+    """The tensors in a ``node.meta["val"]`` (a tensor, or a tuple / list of them, or none)."""
+    if isinstance(val, torch.Tensor):
+        return [val]
+    if isinstance(val, (list, tuple)):
+        return [t for v in val for t in val_tensors(v)]
+    return []
+
+
+def node_bytes(node) -> int:
+    """Bytes of the tensors a node produces (0 without ``meta["val"]``)."""
+    if not isinstance(node, fx.Node):
+        return 0
+    return sum(tensor_bytes(t) for t in val_tensors(node.meta.get("val")))
+
+
+def collective_input(node: fx.Node) -> fx.Node:
+    inp = node.args[0]
+    if not isinstance(inp, fx.Node):
+        raise ValueError(f"{node.name}: expected a single tensor input, got {inp!r}")
+    return inp
+
+
+def collective_bytes(node: fx.Node) -> int:
+    """The bytes a collective moves, in the convention of NCCL's bus-bandwidth formulas.
+
+    all-gather: input bytes x world size (the gathered tensor); reduce-scatter and all-reduce: input
+    bytes (the full, unreduced tensor). Read from ``meta["val"]``.
+    """
+    kind = collective_kind(node)
+    if kind is None:
+        raise ValueError(f"{node.name} ({node.target}) is not a functional collective")
+    args = node.args[0] if isinstance(node.args[0], (list, tuple)) else [node.args[0]]
+    in_bytes = sum(node_bytes(a) for a in args)
+    if kind == "all_gather":
+        return in_bytes * world_size(node)
+    return in_bytes
+
+
+def collective_dtype(node: fx.Node) -> torch.dtype | None:
+    inputs = node.args[0] if isinstance(node.args[0], (list, tuple)) else [node.args[0]]
+    for a in inputs:
+        ts = val_tensors(a.meta.get("val")) if isinstance(a, fx.Node) else []
+        if ts:
+            return ts[0].dtype
+    return None
+
+
+# --- FSDP annotation ------------------------------------------------------------------------------
+
+
+def fsdp_meta(node: fx.Node) -> dict | None:
+    return (node.meta.get("custom") or {}).get(META_KEY)
+
+
+def fsdp_group(node: fx.Node) -> str | None:
+    """The FSDP module FQN (``""`` for the root) whose unshard / reduce-scatter chain holds ``node``.
+
+    For nodes the bucketing pass created this is the bucket's first group; ``fsdp_groups`` has all.
+    """
+    meta = fsdp_meta(node)
+    return None if meta is None else meta.get("group")
+
+
+def fsdp_groups(node: fx.Node) -> tuple[str, ...]:
+    """All FSDP groups a node serves: one for the capture's nodes, every member for a bucket's nodes."""
+    meta = fsdp_meta(node)
+    if meta is None:
+        return ()
+    return tuple(meta.get("bucket") or (meta["group"],))
+
+
+def is_fsdp_collective(node: fx.Node) -> bool:
+    return is_collective(node) and fsdp_meta(node) is not None
+
+
+def is_fsdp_copy_in(node: fx.Node) -> bool:
+    """An FSDP-annotated node that feeds an FSDP collective through annotated nodes only.
+
+    Covers the all-gather copy-in (cast, pad, concatenate) and the reduce-scatter pack.
+    """
+    return _reaches(node, forward=True)
+
+
+def is_fsdp_copy_out(node: fx.Node) -> bool:
+    """An FSDP-annotated node computed from an FSDP collective's wait through annotated nodes only.
+
+    Covers the all-gather copy-out (rank-major view, slices, clones) and the reduce-scatter unpack.
+    """
+    return _reaches(node, forward=False)
+
+
+def _reaches(node: fx.Node, forward: bool) -> bool:
+    if node.op != "call_function" or fsdp_meta(node) is None or is_collective(node) or is_wait(node):
+        return False
+    groups = set(fsdp_groups(node))
+    seen, stack = {node}, [node]
+    while stack:
+        n = stack.pop()
+        nxt: Iterable[fx.Node] = n.users if forward else n.all_input_nodes
+        for m in nxt:
+            if m in seen or m.op != "call_function" or not groups & set(fsdp_groups(m)):
+                continue
+            if forward and is_collective(m):
+                return True
+            if not forward and is_wait(m):
+                return collective_of(m) is not None
+            if (forward and is_wait(m)) or (not forward and is_collective(m)):
+                continue
+            seen.add(m)
+            stack.append(m)
+    return False
+
+
+def collectives(graph: fx.Graph, kind: str | None = None) -> list[fx.Node]:
+    """The graph's collectives in program order, optionally only one ``collective_kind``."""
+    return [n for n in graph.nodes if is_collective(n) and (kind is None or collective_kind(n) == kind)]
+
+
+def depends_on_tangents(graph: fx.Graph) -> set[fx.Node]:
+    """Nodes computed from ``tangents_*`` placeholders: in a backward graph, everything gradient-side.
+
+    An all-gather outside this set in a backward graph is a recomputed (``reshard_after_forward``) one.
+    """
+    out: set[fx.Node] = set()
+    for n in graph.nodes:
+        if (n.op == "placeholder" and n.name.startswith("tangents")) or any(a in out for a in n.all_input_nodes):
+            out.add(n)
+    return out
