@@ -23,7 +23,11 @@ import contextlib
 import datetime
 import os
 import sys
+import tempfile
 import time
+
+if "--warm-cache" not in sys.argv:  # before torch reads its config: every variant compiles from scratch
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="fsdp_compile_bench_")
 
 import torch
 import torch.distributed as dist
@@ -121,6 +125,7 @@ def main():
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--quick", action="store_true", help="tiny model, 10 timed steps: a few minutes on 2 CPU ranks")
     ap.add_argument("--variants", nargs="*", help="fsdp_compile variants to run (default: all)")
+    ap.add_argument("--warm-cache", action="store_true", help="reuse Inductor's on-disk caches (default: a fresh, cold cache)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
     if "RANK" not in os.environ:

@@ -139,6 +139,10 @@ def compile(model: nn.Module, config: CompileConfig | None = None, **overrides) 
 
 
 def explain(model: nn.Module, *example_args, config: CompileConfig | None = None, **example_kwargs) -> Report:
+    return explain_with_graphs(model, example_args, example_kwargs, config)[0]
+
+
+def explain_with_graphs(model: nn.Module, example_args, example_kwargs, config: CompileConfig | None = None):
     """Capture forward and backward once on the example inputs and report what the compiler sees.
 
     No training step happens: parameter values, ``.grad``, buffers and the RNG state are restored
@@ -159,7 +163,7 @@ def explain(model: nn.Module, *example_args, config: CompileConfig | None = None
 
     breaks_before = sum(counters["graph_break"].values())
     with _preserved_state(model):
-        out = compiled(*example_args, **example_kwargs)
+        out = compiled(*example_args, **(example_kwargs or {}))
         leaves = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         if leaves:
             torch.stack([t.float().sum() for t in leaves]).sum().backward()
@@ -193,7 +197,7 @@ def explain(model: nn.Module, *example_args, config: CompileConfig | None = None
         eager_est_exposed_comm_ms=sum(r.before["exposed_comm_time"] for r in records) * 1e3 if records else None,
         eager_est_peak_bytes=max(r.peak_before for r in records) if records else None,
         graphs=[{k: v for k, v in dataclasses.asdict(r).items() if k != "stages"} for r in records],
-    )
+    ), compiled.captured
 
 
 @contextlib.contextmanager

@@ -93,7 +93,9 @@ def make_backend(config: CompileConfig, plan: ShardingPlan, captured: CapturedGr
         if kind != "dynamo":
             # forward/backward: collectives where FSDP2 issues them, then our passes
             place_collectives(gm.graph)
-            captured.records.append(run_passes(gm, kind, len(graphs), config, plan, keep_stages))
+            record_ = run_passes(gm, kind, len(graphs), config, plan, keep_stages)
+            captured.records.append(record_)
+            _trace_artifacts(record_)
             gm.recompile()
         graphs.append(gm)
         if config.dump_dir:
@@ -162,13 +164,36 @@ def run_passes(gm, kind: str, index: int, config: CompileConfig, plan: ShardingP
     )
 
 
+def _trace_artifacts(record: PassRecord) -> None:
+    """Our schedule, next to Dynamo's and Inductor's artifacts, in a ``TORCH_TRACE`` run (for tlparse)."""
+    import json
+
+    from torch._logging import trace_structured
+
+    name = f"fsdp_compile_{record.kind}{record.index}"
+    payload = {k: v for k, v in dataclasses.asdict(record).items() if k != "stages"}
+    trace_structured(
+        "artifact",
+        metadata_fn=lambda: {"name": f"{name}_schedule", "encoding": "json"},
+        payload_fn=lambda: json.dumps(payload),
+    )
+    for stage, text in record.stages:
+        trace_structured(
+            "artifact",
+            metadata_fn=lambda stage=stage: {"name": f"{name}_{stage}_graph", "encoding": "string"},
+            payload_fn=lambda text=text: text,
+        )
+
+
 def _readable(gm: torch.fx.GraphModule) -> str:
     gm.recompile()
     text = gm.print_readable(print_output=False, include_stride=False, include_device=False)
-    lines = ["", "# collectives (node -> FSDP group)"]
+    from fsdp_compile.passes.predicates import fsdp_groups
+
+    lines = ["", "# collectives (node -> FSDP groups)"]
     for node in gm.graph.nodes:
         if node.op == "call_function" and str(node.target).startswith("_c10d_functional."):
-            lines.append(f"# {node.name}: {node.target} group={(fsdp_meta(node) or {}).get('group')!r}")
+            lines.append(f"# {node.name}: {node.target} groups={list(fsdp_groups(node))!r}")
     return text + "\n".join(lines) + "\n"
 
 

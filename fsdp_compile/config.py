@@ -27,21 +27,23 @@ class CompileConfig:
     """``"inductor"`` generates code (C++ on CPU, Triton on GPU); ``"aot_eager"`` runs the same captured,
     partitioned and rewritten graphs op by op: bitwise equal to eager FSDP2 in fp32, for numerics and debugging."""
 
-    bucket: Union[BucketMode, tuple[tuple[str, ...], ...]] = "fsdp_group"  # "auto" once the bucketing pass lands
+    bucket: Union[BucketMode, tuple[tuple[str, ...], ...]] = "auto"
     """How collectives are grouped. ``"none"``: one all-gather and one reduce-scatter per parameter.
-    ``"fsdp_group"``: one per FSDP module, as eager FSDP2. ``"auto"``: chosen by the cost model.
-    Or an explicit plan: a sequence of buckets, each a sequence of FSDP module FQNs."""
+    ``"fsdp_group"``: one per FSDP module, as eager FSDP2. ``"auto"``: adjacent FSDP modules merged while
+    the cost model predicts a faster step within the memory budget. Or an explicit plan: a sequence of
+    buckets, each a sequence of adjacent FSDP module FQNs."""
 
     bucket_cap_mb: float | None = None
     """Upper bound on one bucket's size in MB; ``None`` lets the cost model choose."""
 
-    reorder: bool = False
-    """Prefetch all-gathers and sink waits for overlap, within ``memory_budget_gb``. Off until the
-    reordering pass lands (then on by default, as DESIGN.md says); without it every collective sits
-    where eager FSDP2 issues it."""
+    reorder: bool = True
+    """Prefetch all-gathers and sink reduce-scatter waits for overlap, each move kept only if the cost
+    model predicts a faster step within ``memory_budget_gb``; off: every collective sits where eager
+    FSDP2 issues it (without its prefetch)."""
 
     memory_budget_gb: float | None = None
-    """Peak-memory bound for the reordering pass; ``None`` means no more than eager FSDP2's peak."""
+    """Predicted peak-memory bound for bucketing and reordering (GiB); ``None``: eager FSDP2's predicted
+    peak (the graph as captured plus one prefetched all-gather)."""
 
     hardware: Hardware = "auto"
     """Cost-model profile; ``"auto"`` picks ``cpu-gloo`` on CPU and an H100 profile on CUDA."""

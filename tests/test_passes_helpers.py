@@ -30,7 +30,8 @@ def captured(world_size: int, n_layers: int = 4):
         torch.manual_seed(0)
         m = Llama(LlamaArgs(n_layers=n_layers))
         shard(m, m.layers)
-        cm = fsdp_compile.compile(m, backend="aot_eager")
+        # the graphs as captured: the passes under test run on them (the defaults would bucket and reorder)
+        cm = fsdp_compile.compile(m, backend="aot_eager", bucket="fsdp_group", reorder=False)
         cm(torch.randint(0, 256, (2, 16))).sum().backward()
         return cm.captured.forward[0], cm.captured.backward[0], cm.plan
 

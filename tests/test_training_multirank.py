@@ -112,7 +112,7 @@ def training_worker(rank, world_size, ckpt_dir):
     before = [p.detach().clone() for p in model.parameters()]
     loss_fn(case, compiled(x), x).backward()
     grads = [p.grad for p in model.parameters()]
-    report = fc.explain(model, x)
+    report = fc.explain(model, x, config=fc.CompileConfig(backend="aot_eager", bucket="fsdp_group", reorder=False))
     out["explain"] = (report.graph_breaks, report.all_gathers, report.reduce_scatters)
     out["explain_params_unchanged"] = max_diff(before, list(model.parameters())) == 0.0
     out["explain_grads_kept"] = all(a is b for a, b in zip(grads, [p.grad for p in model.parameters()]))
@@ -135,7 +135,8 @@ def test_training_loop_pieces(tmp_path):
 def inductor_worker(rank, world_size):
     from parity import run_case
 
-    return run_case(Case(backend="inductor", steps=3, n_layers=2), rank, world_size)
+    # the product default: Inductor with auto bucketing and reordering
+    return run_case(Case(backend="inductor", steps=3, n_layers=2, bucket="auto", reorder=True), rank, world_size)
 
 
 @pytest.mark.inductor
@@ -146,7 +147,7 @@ def test_inductor_close():
     results = run_ranks(inductor_worker, 2, timeout=900)
     for rank, r in enumerate(results):
         assert r["dynamo_graphs"] == 1
-        assert r["forward"]["all_gathers"] == 3 and r["backward"]["reduce_scatters"] == 3, r
+        assert 1 <= r["forward"]["all_gathers"] <= 3 and 1 <= r["backward"]["reduce_scatters"] <= 3, r
         diffs = [abs(a - b) for a, b in zip(r["loss_eager"], r["loss_compiled"])]
         assert max(diffs) < 1e-5, (rank, diffs)
         assert max(r["grad_diff"]) < 1e-4, (rank, r["grad_diff"])

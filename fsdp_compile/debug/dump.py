@@ -1,0 +1,131 @@
+"""Dump directories: every stage's graph, ``schedule.json``, ``report.md``, ``report.json``, the timeline.
+
+Names sort in pipeline order: ``0_dynamo0.txt``, ``1_forward0_0_captured.txt``, ``1_forward0_1_bucketed.txt``,
+``1_forward0_2_reordered.txt``, ``2_backward0_...``, then the reports. ``rerender(dir)`` rebuilds
+``report.md`` and the timelines from ``report.json`` alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from fsdp_compile.report import Bucket, Report
+
+KIND_NO = {"dynamo": 0, "forward": 1, "backward": 2}
+
+
+def write_dump(out: str, report: Report, captured=None) -> list[str]:
+    """Write everything about one capture into ``out``; returns the paths written."""
+    os.makedirs(out, exist_ok=True)
+    paths = []
+
+    def write(name: str, text: str) -> None:
+        path = os.path.join(out, name)
+        with open(path, "w") as f:
+            f.write(text)
+        paths.append(path)
+
+    if captured is not None:
+        from fsdp_compile.backend import _readable
+
+        for i, gm in enumerate(captured.dynamo):
+            write(f"0_dynamo{i}.txt", _readable(gm))
+        for record in captured.records:
+            for s, (stage, text) in enumerate(record.stages):
+                write(f"{KIND_NO[record.kind]}_{record.kind}{record.index}_{s}_{stage}.txt", text)
+        for i, (kind, source) in enumerate(captured.output_code):
+            write(f"{KIND_NO[kind]}_{kind}{i}_9_inductor_output_code.py", source)
+    write("report.json", report.to_json())
+    write("schedule.json", json.dumps(schedule_rows(report), indent=2))
+    paths += render(out, report)
+    return paths
+
+
+def schedule_rows(report: Report) -> dict:
+    """One row per collective and per graph: what ``schedule.json`` holds."""
+    graphs = []
+    for g in report.graphs:
+        a, b = g["after"], g["before"]
+        graphs.append({
+            "graph": f"{g['kind']}{g['index']}",
+            "hardware": g["hardware"],
+            "predicted_step_ms": a["step_time"] * 1e3,
+            "predicted_exposed_comm_ms": a["exposed_comm_time"] * 1e3,
+            "as_captured_step_ms": b["step_time"] * 1e3,
+            "as_captured_exposed_comm_ms": b["exposed_comm_time"] * 1e3,
+            "peak_bytes": g["peak_after"],
+            "peak_at": g["peak_node"],
+            "memory_budget_bytes": g["memory_budget"],
+            "buckets": g["buckets"],
+            "moves": g["moves"],
+            "collectives": [
+                {
+                    "name": c["name"], "wait": c["wait"], "kind": c["kind"], "process_group": c["process_group"],
+                    "bytes": c["bytes"], "fsdp_groups": c["fsdp_groups"],
+                    "issue_ms": c["issue"] * 1e3, "start_ms": c["start"] * 1e3, "end_ms": c["end"] * 1e3,
+                    "wait_ms": None if c["wait_at"] is None else c["wait_at"] * 1e3,
+                    "predicted_ms": c["duration"] * 1e3, "hidden_ms": c["hidden"] * 1e3, "exposed_ms": c["exposed"] * 1e3,
+                }
+                for c in a["collectives"]
+            ],
+        })
+    return {"graphs": graphs}
+
+
+def detailed_markdown(report: Report) -> str:
+    lines = [report.to_markdown()]
+    for g in schedule_rows(report)["graphs"]:
+        lines += [
+            f"## {g['graph']} ({g['hardware']})",
+            "",
+            f"Predicted step {g['predicted_step_ms']:.3f} ms, exposed communication {g['predicted_exposed_comm_ms']:.3f} ms "
+            f"(as captured: {g['as_captured_step_ms']:.3f} ms, exposed {g['as_captured_exposed_comm_ms']:.3f} ms). "
+            f"Peak {g['peak_bytes'] / 2**20:.1f} MiB at `{g['peak_at']}` (budget {g['memory_budget_bytes'] / 2**20:.1f} MiB).",
+            "",
+            "| collective | kind | pg | MiB | FSDP modules | issued ms | wait node | waited ms | predicted ms | hidden ms | exposed ms |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for c in g["collectives"]:
+            waited = "-" if c["wait_ms"] is None else f"{c['wait_ms']:.3f}"
+            lines.append(
+                f"| {c['name']} | {c['kind']} | {c['process_group']} | {c['bytes'] / 2**20:.2f} | "
+                f"{', '.join(x or '<root>' for x in c['fsdp_groups'])} | {c['issue_ms']:.3f} | {c['wait']} | {waited} | "
+                f"{c['predicted_ms']:.3f} | {c['hidden_ms']:.3f} | {c['exposed_ms']:.3f} |"
+            )
+        merged = [b for b in g["buckets"] if len(b["collectives"]) > 1]
+        lines += ["", f"Buckets: {len(g['buckets'])} collectives after bucketing, {len(merged)} of them merged."]
+        for b in merged:
+            lines.append(
+                f"- {b['kind']} bucket of {', '.join(x or '<root>' for x in b['groups'])} ({b['bytes'] / 2**20:.2f} MiB): "
+                f"merged because the simulated step got faster and the predicted peak stayed within the budget"
+            )
+        if g["moves"]:
+            lines += ["", "Reordering (each move kept only if the simulated step got faster within the budget):"]
+            lines += [f"- {m}" for m in g["moves"]]
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def render(out: str, report: Report) -> list[str]:
+    paths = []
+    path = os.path.join(out, "report.md")
+    with open(path, "w") as f:
+        f.write(detailed_markdown(report))
+    paths.append(path)
+    if report.graphs:
+        for name in ("timeline.png", "timeline.html"):
+            report.save_timeline(os.path.join(out, name))
+            paths.append(os.path.join(out, name))
+    return paths
+
+
+def load_report(path: str) -> Report:
+    with open(path) as f:
+        data = json.load(f)
+    data["buckets"] = [Bucket(**b) for b in data["buckets"]]
+    return Report(**data)
+
+
+def rerender(out: str) -> list[str]:
+    return render(out, load_report(os.path.join(out, "report.json")))

@@ -1,0 +1,131 @@
+"""The fsdp-compile command line, run as users run it: in a subprocess, on the fake process group."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+CLI = [sys.executable, "-m", "fsdp_compile.debug.cli"]
+
+
+def run(args, tmp_path, env_extra=None, timeout=300):
+    env = {**os.environ, **(env_extra or {})}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")])
+    return subprocess.run(CLI + args, capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp_path)
+
+
+@pytest.fixture(scope="module")
+def dump(tmp_path_factory):
+    """One dump of the tiny model at world size 8, under TORCH_TRACE."""
+    tmp = tmp_path_factory.mktemp("cli")
+    out, trace = tmp / "dump", tmp / "trace"
+    proc = run(["dump", "--model", "tiny", "--world-size", "8", "--hardware", "h100-nvlink", "--out", str(out)], tmp,
+               {"TORCH_TRACE": str(trace)})
+    assert proc.returncode == 0, proc.stderr
+    return out, trace, proc
+
+
+def test_dump_writes_every_stage(dump):
+    out, _, proc = dump
+    names = sorted(os.listdir(out))
+    stages = {"0_dynamo0.txt", "1_forward0_0_captured.txt", "1_forward0_1_bucketed.txt", "1_forward0_2_reordered.txt",
+              "2_backward0_0_captured.txt", "2_backward0_2_reordered.txt"}
+    assert stages <= set(names), names
+    assert {"report.md", "report.json", "schedule.json", "timeline.png", "timeline.html"} <= set(names)
+    assert "fsdp_compile report" in proc.stdout
+
+
+def test_report_lists_every_collective(dump):
+    out, _, _ = dump
+    md = (out / "report.md").read_text()
+    schedule = json.loads((out / "schedule.json").read_text())
+    names = {"forward0": [], "backward0": []}
+    for g in schedule["graphs"]:
+        names[g["graph"]] = [c["name"] for c in g["collectives"]]
+    # the final graphs hold exactly the collectives the schedule lists, and report.md has a row for each
+    for graph, file in (("forward0", "1_forward0_2_reordered.txt"), ("backward0", "2_backward0_2_reordered.txt")):
+        text = (out / file).read_text()
+        in_graph = [line.split(":")[0][2:] for line in text.splitlines() if line.startswith("# ") and "_c10d_functional." in line and "wait_tensor" not in line]
+        assert sorted(in_graph) == sorted(names[graph]) and in_graph, (graph, in_graph, names[graph])
+        for name in in_graph:
+            assert f"| {name} |" in md
+
+
+def test_timeline_files(dump):
+    out, _, _ = dump
+    with open(out / "timeline.png", "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    import matplotlib.image
+
+    img = matplotlib.image.imread(out / "timeline.png")
+    assert img.shape[0] > 200 and img.shape[1] > 800
+    html = (out / "timeline.html").read_text()
+    assert "<svg" in html and "<script" not in html and "http://" not in html and "https://" not in html
+
+
+def test_torch_trace_holds_our_artifacts(dump):
+    _, trace, _ = dump
+    logs = "".join(p.read_text() for p in trace.iterdir())
+    for name in ("fsdp_compile_forward0_schedule", "fsdp_compile_backward0_schedule", "fsdp_compile_forward0_reordered_graph"):
+        assert name in logs
+
+
+def test_report_rerenders_a_dump(dump, tmp_path):
+    out, _, _ = dump
+    before = (out / "report.md").read_text()
+    (out / "report.md").unlink()
+    (out / "timeline.png").unlink()
+    proc = run(["report", str(out)], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert (out / "report.md").read_text() == before and (out / "timeline.png").exists()
+
+
+def test_explain_json(tmp_path):
+    proc = run(["explain", "--model", "tiny", "--world-size", "4", "--bucket", "fsdp_group", "--no-reorder", "--json"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert (report["all_gathers"], report["reduce_scatters"], report["graph_breaks"]) == (5, 3, 0)
+
+
+USER_MODULE = textwrap.dedent('''
+    import torch
+
+    def unsharded():
+        return torch.nn.Linear(4, 4), (torch.randn(2, 4),)
+
+    def sharded():
+        from torch.distributed.fsdp import fully_shard
+        m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 4))
+        fully_shard(m[0]); fully_shard(m)
+        return m, (torch.randn(2, 4),)
+''')
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["explain", "--model", "no_such_module:build"], "cannot import 'no_such_module'"),
+        (["explain", "--model", "usermodels:missing"], "has no function 'missing'"),
+        (["explain", "--model", "usermodels:unsharded"], "no module sharded by fully_shard"),
+        (["explain", "--model", "tiny", "--bucket", "sometimes"], "bucket must be one of"),
+        (["dump", "--model", "tiny", "--out", "/proc/forbidden"], "is not writable"),
+        (["report", "/nonexistent"], "is not a fsdp-compile dump"),
+    ],
+)
+def test_errors_are_one_line_exit_2(tmp_path, args, message):
+    (tmp_path / "usermodels.py").write_text(USER_MODULE)
+    proc = run(args, tmp_path, timeout=120)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("fsdp-compile: error:")]
+    assert len(errors) == 1 and message in errors[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_user_model(tmp_path):
+    (tmp_path / "usermodels.py").write_text(USER_MODULE)
+    proc = run(["explain", "--model", "usermodels:sharded", "--world-size", "2", "--json"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["graph_breaks"] == 0
