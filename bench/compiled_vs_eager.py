@@ -19,7 +19,6 @@ Writes bench/results/compiled_vs_eager.json and .png. Gloo on CPU; NCCL when CUD
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import os
 import sys
@@ -31,7 +30,6 @@ if "--warm-cache" not in sys.argv:  # before torch reads its config: every varia
 
 import torch
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
 
@@ -39,31 +37,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 import _harness as H  # noqa: E402
 
 import fsdp_compile as fc  # noqa: E402
+from fsdp_compile.debug.eager_calls import count_eager_collectives  # noqa: E402
 from fsdp_compile.models import SIZES, Llama, llama_blocks  # noqa: E402
 from fsdp_compile.report import count_collectives  # noqa: E402
-
-_EAGER = ["all_gather_single", "reduce_scatter_single", "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce"]
-
-
-@contextlib.contextmanager
-def count_eager_collectives():
-    calls, saved = [], {}
-    for name in _EAGER:
-        fn = saved[name] = getattr(c10d, name)
-
-        def wrapper(*a, _fn=fn, _name=name, **k):
-            calls.append(_name)
-            return _fn(*a, **k)
-
-        setattr(c10d, name, wrapper)
-        setattr(dist, name, wrapper)
-    try:
-        yield calls
-    finally:
-        for name, fn in saved.items():
-            setattr(c10d, name, fn)
-            setattr(dist, name, fn)
-
 
 def build(size: str, device: torch.device):
     torch.manual_seed(0)

@@ -9,7 +9,6 @@ collectives each step issues, the first-step (compile) time and the step-time ra
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import os
 import statistics
@@ -21,34 +20,9 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
 
 import fsdp_compile as fc
+from fsdp_compile.debug.eager_calls import count_eager_collectives
 from fsdp_compile.models import SIZES, Llama, llama_blocks
 from fsdp_compile.report import count_collectives
-
-_EAGER_COLLECTIVES = ["all_gather_single", "reduce_scatter_single", "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce"]
-
-
-@contextlib.contextmanager
-def count_eager_collectives():
-    """Count torch.distributed calls made from Python (FSDP2's eager hooks issue theirs this way)."""
-    import torch.distributed.distributed_c10d as c10d
-
-    calls, saved = [], {}
-    for name in _EAGER_COLLECTIVES:
-        fn = saved[name] = getattr(c10d, name)
-
-        def wrapper(*a, _fn=fn, _name=name, **k):
-            calls.append(_name)
-            return _fn(*a, **k)
-
-        setattr(c10d, name, wrapper)
-        setattr(dist, name, wrapper)
-    try:
-        yield calls
-    finally:
-        for name, fn in saved.items():
-            setattr(c10d, name, fn)
-            setattr(dist, name, fn)
-
 
 def build(size: str):
     torch.manual_seed(0)

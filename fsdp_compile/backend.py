@@ -8,7 +8,6 @@ the lazily compiled backward), never set globally.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 from collections.abc import Callable
 

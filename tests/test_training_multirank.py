@@ -1,45 +1,13 @@
 """What a training loop needs around the compiled step, on 2 real gloo ranks."""
 
-import contextlib
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 
 from dist_helpers import run_ranks
+from fsdp_compile.debug.eager_calls import count_eager_collectives
 from parity import Case, batch, build, loss_fn, max_diff
 
 pytestmark = pytest.mark.multirank
-
-_EAGER_COLLECTIVES = [
-    "all_gather_single", "reduce_scatter_single", "all_gather_into_tensor", "reduce_scatter_tensor",
-    "all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all_single", "barrier",
-]
-
-
-@contextlib.contextmanager
-def count_eager_c10d():
-    """Count Python-level c10d calls (FSDP2's eager hooks go through these; funcol ops do not)."""
-    calls = []
-    saved = {}
-    for mod in (dist, c10d):
-        for name in _EAGER_COLLECTIVES:
-            fn = getattr(mod, name, None)
-            if fn is None:
-                continue
-            saved[(mod, name)] = fn
-
-            def wrapper(*a, _fn=fn, _name=name, **k):
-                calls.append(_name)
-                return _fn(*a, **k)
-
-            setattr(mod, name, wrapper)
-    try:
-        yield calls
-    finally:
-        for (mod, name), fn in saved.items():
-            setattr(mod, name, fn)
 
 
 def training_worker(rank, world_size, ckpt_dir):
@@ -59,14 +27,14 @@ def training_worker(rank, world_size, ckpt_dir):
     opt.zero_grad()
 
     x = batch(case, 1, rank)
-    with count_eager_c10d() as calls:
+    with count_eager_collectives() as calls:
         loss_fn(case, compiled(x), x).backward()
         norm_c = torch.nn.utils.clip_grad_norm_(compiled.parameters(), 0.5)
         opt.step()
         opt.zero_grad()
     out["compiled_c10d_calls"] = list(calls)
     # the counter is live: eager FSDP2 goes through it
-    with count_eager_c10d() as calls:
+    with count_eager_collectives() as calls:
         loss_fn(case, eager(x), x).backward()
     out["eager_c10d_calls"] = len(calls)
     opt_e.zero_grad()

@@ -1,0 +1,158 @@
+"""The compiled FSDP step at scale, by simulation: Llama-3 8B / 70B shapes on the meta device, sharded on
+the fake process group at world sizes 8 to 1024, scored by fsdp_compile's cost model and simulator.
+
+    python bench/scale_sim.py [--sizes llama3-8b llama3-70b] [--world-sizes 8 16 64 256 1024] [--quick]
+
+For every (model, world size, hardware profile) the forward and backward graphs are captured once, as
+``fsdp_compile.compile`` would hand them to Inductor, with every collective where eager FSDP2 issues it.
+Then three schedules of those same graphs are scored by the same simulator:
+  eager-equivalent   bucket="fsdp_group", no reordering (one collective per FSDP module, issued just in time)
+  fc auto+reorder    fsdp_compile's cost-model bucketing and reordering (the default)
+  torch 2.13 passes  torch._inductor.fx_passes.bucketing.bucket_all_gather / bucket_reduce_scatter with
+                     their defaults (greedy adjacent merging under a 2000 MB cap), no reordering
+Model assumptions, printed with the results: one compute stream and one stream per process group;
+compute time = FLOPs / (0.7 x dense peak) for matmul-like ops, bytes / (0.85 x HBM bandwidth) for the
+rest; collectives by an alpha-beta ring model (h100-nvlink: 360 GB/s bus bandwidth inside a node;
+h100-ib: 45 GB/s per GPU across nodes, 5 us per ring step); memory = live tensor bytes with graph inputs
+live throughout. Batch 1 x 2048 tokens per rank, bf16 compute (MixedPrecisionPolicy), fp32 reduce.
+Writes bench/results/scale_sim.json and scale_sim.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+sys.path.insert(0, os.path.dirname(__file__))
+import _harness as H  # noqa: E402
+
+import fsdp_compile as fc  # noqa: E402
+from fsdp_compile import passes  # noqa: E402
+from fsdp_compile._api import explain_with_graphs  # noqa: E402
+from fsdp_compile.models import SIZES, Llama, llama_blocks  # noqa: E402
+
+VARIANTS = ("eager-equivalent", "fc auto+reorder", "torch 2.13 passes")
+
+
+def capture(size: str, world: int, seq: int):
+    """Forward and backward graphs of one training step, collectives where eager FSDP2 issues them."""
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        with torch.device("meta"):
+            model = Llama(SIZES[size])
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for block in llama_blocks(model):
+            fully_shard(block, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
+        tokens = torch.randint(0, 128, (1, seq), device="meta")
+        config = fc.CompileConfig(backend="inductor", bucket="fsdp_group", reorder=False, hardware="h100-ib")
+        _, captured = explain_with_graphs(model, (tokens,), {}, config)
+        return captured.forward[0], captured.backward[0]
+    finally:
+        dist.destroy_process_group()
+
+
+def score(graphs, hardware: str, variant: str, world: int) -> dict:
+    out = {"step_ms": 0.0, "exposed_comm_ms": 0.0, "peak_bytes": 0, "all_gathers": 0, "reduce_scatters": 0}
+    # the torch passes resolve process groups by name: score them under a fake group of the same size
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        for gm in graphs:
+            gm = copy.deepcopy(gm)
+            cost = passes.cost_model_for(hardware, gm.graph)
+            budget = passes.default_memory_budget(gm.graph)
+            if variant == "fc auto+reorder":
+                plan = passes.plan_buckets(gm.graph, "auto", memory_budget_bytes=budget, cost_model=cost)
+                passes.apply_buckets(gm.graph, plan)
+                passes.reorder(gm.graph, cost, memory_budget_bytes=budget)
+            elif variant == "torch 2.13 passes":
+                from torch._inductor.fx_passes.bucketing import bucket_all_gather, bucket_reduce_scatter
+
+                bucket_all_gather(gm)
+                bucket_reduce_scatter(gm)
+            sched = passes.simulate(gm.graph, cost)
+            out["step_ms"] += sched.step_time * 1e3
+            out["exposed_comm_ms"] += sched.exposed_comm_time * 1e3
+            out["peak_bytes"] = max(out["peak_bytes"], passes.peak_memory(gm.graph)[0])
+            out["all_gathers"] += sum(1 for c in sched.collectives if c.kind == "all_gather")
+            out["reduce_scatters"] += sum(1 for c in sched.collectives if c.kind == "reduce_scatter")
+    finally:
+        dist.destroy_process_group()
+    out["exposed_pct"] = 100 * out["exposed_comm_ms"] / out["step_ms"] if out["step_ms"] else 0.0
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", nargs="+", default=["llama3-8b", "llama3-70b"], choices=["llama3-8b", "llama3-70b"])
+    ap.add_argument("--world-sizes", nargs="+", type=int, default=[8, 16, 64, 256, 1024])
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--quick", action="store_true", help="llama3-8b at world sizes 8 and 64 only")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    args = ap.parse_args()
+    if args.quick:
+        args.sizes, args.world_sizes = ["llama3-8b"], [8, 64]
+    rows = []
+    t0 = time.monotonic()
+    for size in args.sizes:
+        for world in args.world_sizes:
+            graphs = capture(size, world, args.seq)
+            profiles = ["h100-nvlink", "h100-ib"] if world <= 8 else ["h100-ib"]
+            for hardware in profiles:
+                for variant in VARIANTS:
+                    try:
+                        r = score(graphs, hardware, variant, world)
+                    except Exception as e:  # noqa: BLE001 - a pass that fails is a result, reported as such
+                        r = {"error": f"{type(e).__name__}: {e}"[:300]}
+                    rows.append({"model": size, "world_size": world, "hardware": hardware, "variant": variant, **r})
+                    sys.stderr.write(f"[{time.monotonic() - t0:6.0f}s] {size} W={world} {hardware} {variant}: "
+                                     f"{r.get('step_ms', float('nan')):.1f} ms, exposed {r.get('exposed_pct', float('nan')):.1f}%\n")
+    print(__doc__.split("Model assumptions")[1].split("Writes")[0].strip().replace("\n", " "))
+    print("\n| model | W | hardware | variant | step ms | exposed comm ms (% of step) | peak GiB/rank | AG/RS |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['model']} | {r['world_size']} | {r['hardware']} | {r['variant']} | failed: {r['error'][:80]} | | | |")
+            continue
+        print(f"| {r['model']} | {r['world_size']} | {r['hardware']} | {r['variant']} | {r['step_ms']:.1f} | "
+              f"{r['exposed_comm_ms']:.2f} ({r['exposed_pct']:.1f}%) | {r['peak_bytes'] / 2**30:.2f} | {r['all_gathers']}/{r['reduce_scatters']} |")
+    H.write_json(os.path.join(args.out, "scale_sim.json"), {"machine": H.machine(), "config": vars(args), "rows": rows})
+    _plot(rows, os.path.join(args.out, "scale_sim.png"))
+    print(f"wrote {args.out}/scale_sim.json and .png")
+
+
+def _plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = sorted({r["model"] for r in rows})
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        for variant, style in zip(VARIANTS, ("o-", "s-", "^--")):
+            pts = sorted((r["world_size"], r["exposed_pct"]) for r in rows
+                         if r["model"] == model and r["variant"] == variant and r["hardware"] == "h100-ib" and "error" not in r)
+            if pts:
+                ax.plot(*zip(*pts), style, label=variant)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("world size (h100-ib profile)")
+        ax.set_ylabel("predicted exposed communication, % of step")
+        ax.set_title(f"{model}: simulated FSDP step")
+        ax.legend()
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,43 @@
+"""Count the collectives issued from Python through ``torch.distributed``.
+
+Eager FSDP2's hooks issue their all-gathers and reduce-scatters this way; a step compiled by
+``fsdp_compile`` issues none (its collectives are ``_c10d_functional`` ops inside the graphs), which is
+how the tests, the demo and the benchmarks check that no eager hook ran.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+COLLECTIVES = (
+    "all_gather_single", "reduce_scatter_single", "all_gather_into_tensor", "reduce_scatter_tensor",
+    "all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all_single", "barrier",
+)
+
+
+@contextlib.contextmanager
+def count_eager_collectives():
+    """Within the block, every call of a ``torch.distributed`` collective is appended (by name) to the
+    yielded list. Patches both ``torch.distributed`` and ``distributed_c10d``; restores them on exit."""
+    calls: list[str] = []
+    saved = {}
+    for module in (dist, c10d):
+        for name in COLLECTIVES:
+            fn = getattr(module, name, None)
+            if fn is None:
+                continue
+            saved[(module, name)] = fn
+
+            def counting(*args, _fn=fn, _name=name, **kwargs):
+                calls.append(_name)
+                return _fn(*args, **kwargs)
+
+            setattr(module, name, counting)
+    try:
+        yield calls
+    finally:
+        for (module, name), fn in saved.items():
+            setattr(module, name, fn)
