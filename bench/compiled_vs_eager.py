@@ -9,10 +9,12 @@ Variants (each its own model from the same seed, AdamW, the same batches):
   fc:fsdp_group   one per FSDP module, where eager FSDP2 issues them
   fc:auto         cost-model bucketing
   fc:auto+reorder cost-model bucketing, then prefetching all-gathers and sinking waits
-Per variant: first-step time (includes the compile), median and p10/p90 step time over timed steps run
-in interleaved windows (drift hits every variant alike), collectives per step (Python c10d calls, i.e.
-eager hooks, and collectives inside compiled graphs), peak step memory (tensor bytes allocated by one
-step above those live before it), final loss versus eager.
+Per variant: first-step time (includes the compile, from a cold Inductor cache unless --warm-cache),
+median and p10/p90 step time over timed steps run in interleaved windows (drift hits every variant
+alike), the cost model's predicted step time next to it (cpu-gloo on CPU; for eager: the same graphs
+with collectives where eager issues them), collectives per step (Python c10d calls, i.e. eager hooks,
+and collectives inside compiled graphs), peak step memory (tensor bytes allocated by one step above
+those live before it), final loss versus eager.
 Writes bench/results/compiled_vs_eager.json and .png. Gloo on CPU; NCCL when CUDA is present.
 """
 
@@ -75,6 +77,17 @@ class Variant:
         dt = time.perf_counter() - t0
         self.loss = loss.item()
         return dt
+
+    def predicted_ms(self, stage: str = "after") -> float | None:
+        """The cost model's step time for the first forward + backward graphs (``stage="before"``: as
+        captured, before bucketing and reordering)."""
+        captured = getattr(self.runner, "captured", None)
+        if captured is None:
+            return None
+        firsts = {}
+        for r in captured.records:
+            firsts.setdefault(r.kind, r)
+        return sum(getattr(r, stage)["step_time"] for r in firsts.values()) * 1e3
 
     def in_graph_collectives(self) -> dict | None:
         captured = getattr(self.runner, "captured", None)
@@ -170,12 +183,17 @@ def main():
 
     eager = variants[0]
     base = H.summarize(eager.times)["median_step_s"]
+    by_name = {v.name: v for v in variants}
     results = {}
     for v in variants:
         stats = H.summarize(v.times)
         graph = v.in_graph_collectives()
+        predicted = v.predicted_ms()
+        if v.name == "eager" and "fc:fsdp_group" in by_name:  # the same collectives, where eager issues them
+            predicted = by_name["fc:fsdp_group"].predicted_ms("before")
         results[v.name] = {
             **stats,
+            "predicted_step_ms": predicted,
             "first_step_s": v.first_step_s,
             "ratio_vs_eager": stats["median_step_s"] / base,
             "eager_c10d_calls_per_step": v.eager_calls,
@@ -186,13 +204,13 @@ def main():
             "final_loss_delta_vs_eager": abs(v.loss - eager.loss),
         }
 
-    say("\n| variant | median ms | p10-p90 ms | vs eager | first step s | Python c10d calls/step | in-graph AG/RS | step peak MiB | final loss (Δ vs eager) |")
-    say("|---|---|---|---|---|---|---|---|---|")
+    say("\n| variant | median ms | p10-p90 ms | vs eager | predicted ms | first step s | Python c10d calls/step | in-graph AG/RS | step peak MiB | final loss (Δ vs eager) |")
+    say("|---|---|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
         graph = f"{r['all_gathers']}/{r['reduce_scatters']}" if r["all_gathers"] is not None else "-"
         say(
             f"| {name} | {r['median_step_s'] * 1e3:.1f} | {r['p10_step_s'] * 1e3:.1f}-{r['p90_step_s'] * 1e3:.1f} | "
-            f"{r['ratio_vs_eager']:.2f}x | {r['first_step_s']:.1f} | {r['eager_c10d_calls_per_step']} | {graph} | "
+            f"{r['ratio_vs_eager']:.2f}x | {'-' if r['predicted_step_ms'] is None else format(r['predicted_step_ms'], '.1f')} | {r['first_step_s']:.1f} | {r['eager_c10d_calls_per_step']} | {graph} | "
             f"{r['peak_bytes'] / 2**20:.1f} | {r['final_loss']:.5f} ({r['final_loss_delta_vs_eager']:.1e}) |"
         )
     tc = results.get("torch.compile")

@@ -96,14 +96,16 @@ def make_backend(config: CompileConfig, plan: ShardingPlan, captured: CapturedGr
             captured.records.append(record_)
             _trace_artifacts(record_)
             gm.recompile()
+            if config.dump_dir:
+                _dump_record(config.dump_dir, record_)
+        elif config.dump_dir:
+            _dump_text(config.dump_dir, f"0_dynamo{len(graphs)}.txt", _readable(gm))
         graphs.append(gm)
-        if config.dump_dir:
-            _dump(config.dump_dir, kind, len(graphs) - 1, gm)
 
     def backend(gm: torch.fx.GraphModule, example_inputs):
         record("dynamo", gm)
         if config.backend == "inductor" and codegen:
-            return _inductor(gm, example_inputs, reshard, record, captured)
+            return _inductor(gm, example_inputs, reshard, record, captured, config.dump_dir)
         decompositions = DECOMPOSITIONS
         if config.backend == "inductor":
             from torch._inductor.decomposition import select_decomp_table
@@ -196,14 +198,27 @@ def _readable(gm: torch.fx.GraphModule) -> str:
     return text + "\n".join(lines) + "\n"
 
 
-def _dump(dump_dir: str, kind: str, index: int, gm: torch.fx.GraphModule) -> None:
-    """Readable graph text (shapes, dtypes, the FSDP group of every collective node) per compiled graph."""
+_KIND_NO = {"dynamo": 0, "forward": 1, "backward": 2}
+
+
+def _dump_text(dump_dir: str, name: str, text: str) -> None:
     import os
 
     os.makedirs(dump_dir, exist_ok=True)
-    stage = {"dynamo": 0, "forward": 1, "backward": 2}[kind]
-    with open(os.path.join(dump_dir, f"graph{index:03d}_{stage}_{kind}.txt"), "w") as f:
-        f.write(_readable(gm))
+    with open(os.path.join(dump_dir, name), "w") as f:
+        f.write(text)
+
+
+def _dump_record(dump_dir: str, record: PassRecord) -> None:
+    """A compiled graph's stages (captured, bucketed, reordered) and its predicted schedule, named as
+    ``fsdp_compile.debug.dump`` names them so that both kinds of dump sort the same way."""
+    import json
+
+    prefix = f"{_KIND_NO[record.kind]}_{record.kind}{record.index}"
+    for i, (stage, text) in enumerate(record.stages):
+        _dump_text(dump_dir, f"{prefix}_{i}_{stage}.txt", text)
+    payload = {k: v for k, v in dataclasses.asdict(record).items() if k != "stages"}
+    _dump_text(dump_dir, f"{prefix}_schedule.json", json.dumps(payload, indent=2))
 
 
 def _aot_eager(gm, example_inputs, reshard, record, decompositions):
@@ -227,7 +242,7 @@ def _aot_eager(gm, example_inputs, reshard, record, decompositions):
     )(gm, example_inputs)
 
 
-def _inductor(gm, example_inputs, reshard, record, captured):
+def _inductor(gm, example_inputs, reshard, record, captured, dump_dir):
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
     from torch._inductor.decomposition import select_decomp_table
 
@@ -238,6 +253,9 @@ def _inductor(gm, example_inputs, reshard, record, captured):
         source = getattr(out, "source_code", None)
         if source:
             captured.output_code.append((kind, source))
+            if dump_dir:
+                index = sum(1 for k, _ in captured.output_code if k == kind) - 1
+                _dump_text(dump_dir, f"{_KIND_NO[kind]}_{kind}{index}_9_inductor_output_code.py", source)
         return out
 
     return compile_fx(

@@ -275,14 +275,30 @@ def test_explain_fills_estimates():
 
 
 def test_dump_dir(tmp_path):
+    """A real compile with dump_dir writes each graph at each stage and its predicted schedule."""
     with fake_process_group(2):
         compiled = fc.compile(llama(1), backend="aot_eager", dump_dir=str(tmp_path))
         compiled(tokens()).sum().backward()
     names = sorted(p.name for p in tmp_path.iterdir())
-    assert names == ["graph000_0_dynamo.txt", "graph000_1_forward.txt", "graph000_2_backward.txt"]
-    forward = (tmp_path / "graph000_1_forward.txt").read_text()
+    for kind in ("1_forward0", "2_backward0"):
+        assert f"{kind}_0_captured.txt" in names and f"{kind}_schedule.json" in names, names
+        assert any(n.startswith(kind) and n.endswith("_reordered.txt") for n in names), names
+    assert "0_dynamo0.txt" in names
+    forward = (tmp_path / "1_forward0_0_captured.txt").read_text()
     assert "all_gather_into_tensor" in forward and "'layers.0'" in forward
-    assert "reduce_scatter_tensor" in (tmp_path / "graph000_2_backward.txt").read_text()
+    assert "reduce_scatter_tensor" in (tmp_path / "2_backward0_0_captured.txt").read_text()
+
+
+@pytest.mark.inductor
+def test_dump_dir_has_inductor_output_code(tmp_path):
+    with fake_process_group(2):
+        torch.manual_seed(0)
+        model = shard(OddMLP(), [])
+        compiled = fc.compile(model, dump_dir=str(tmp_path))  # the default backend: Inductor
+        compiled(torch.randn(3, 6)).sum().backward()
+    code = sorted(p.name for p in tmp_path.iterdir() if p.name.endswith("_inductor_output_code.py"))
+    assert code == ["1_forward0_9_inductor_output_code.py", "2_backward0_9_inductor_output_code.py"]
+    assert "all_gather_into_tensor" in (tmp_path / code[0]).read_text()
 
 
 def test_explain_meta_device_at_scale():

@@ -12,7 +12,7 @@ import os
 
 from fsdp_compile.report import Bucket, Report
 
-KIND_NO = {"dynamo": 0, "forward": 1, "backward": 2}
+from fsdp_compile.backend import _KIND_NO as KIND_NO
 
 
 def write_dump(out: str, report: Report, captured=None) -> list[str]:
