@@ -165,6 +165,52 @@ def run_passes(gm, kind: str, index: int, config: CompileConfig, plan: ShardingP
     )
 
 
+# Matmul-like ops: Inductor runs them as extern kernels (never fused), so pinning them costs nothing.
+_ANCHORS = {
+    torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+    torch.ops.aten.baddbmm.default, torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten.convolution.default,
+}
+
+
+def pin_collective_order(gm: torch.fx.GraphModule) -> int:
+    """Make Inductor keep the collective schedule our passes chose; returns the edges added.
+
+    Inductor's scheduler is free to move a ``wait_tensor`` up to its collective (measured: it puts each
+    wait right after its all-gather, undoing every prefetch). Two kinds of control dependency, both
+    following the graph's current order (so they cannot form a cycle), hold the overlap in place: a
+    collective comes before the first matmul-like op after it, and a wait after the last matmul-like op
+    before it. They use Inductor's own ``control_deps`` mechanism, which its overlap scheduler uses too.
+    """
+    from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering
+    from torch.utils._ordered_set import OrderedSet
+
+    from fsdp_compile.passes import predicates
+
+    deps: dict[torch.fx.Node, OrderedSet] = {}
+    pending: list[torch.fx.Node] = []  # collectives issued since the last anchor
+    last_anchor = None
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if predicates.is_collective(node):
+            pending.append(node)
+        elif predicates.is_wait(node):
+            if last_anchor is not None:
+                deps.setdefault(node, OrderedSet()).add(last_anchor)
+        elif node.target in _ANCHORS:
+            for coll in pending:
+                deps.setdefault(node, OrderedSet()).add(coll)
+            pending.clear()
+            last_anchor = node
+    if deps:
+        preserve_node_ordering(gm.graph, deps)
+        gm.recompile()
+    return sum(len(v) for v in deps.values())
+
+
 def _trace_artifacts(record: PassRecord) -> None:
     """Our schedule, next to Dynamo's and Inductor's artifacts, in a ``TORCH_TRACE`` run (for tlparse)."""
     import json
@@ -249,6 +295,7 @@ def _inductor(gm, example_inputs, reshard, record, captured, dump_dir):
     def inner_compile(g, *args, **kwargs):
         kind = "backward" if kwargs.get("is_backward") else "forward"
         record(kind, g)
+        pin_collective_order(g)
         out = compile_fx_inner(g, *args, **kwargs)
         source = getattr(out, "source_code", None)
         if source:

@@ -319,3 +319,40 @@ def test_explain_meta_device_at_scale():
     assert (report.all_gathers, report.reduce_scatters) == (5, 3)
     assert report.buckets[1].bytes == 872_448_000  # one 8B block, fp32: 4*(4096*4096*2 + 2*1024*4096 + 3*4096*14336) + 2*4096*4 bytes
     assert grown_mib < 1000, grown_mib
+
+
+def _overlapped(lines, collective, wait, anchor):
+    """Names of collectives with at least one matmul-like call between them and their wait."""
+    import re
+
+    open_, hidden = {}, set()
+    for line in lines:
+        if m := re.search(collective, line):
+            open_[m.group("out")] = False
+        elif m := re.search(wait, line):
+            if open_.pop(m.group("arg"), False):
+                hidden.add(m.group("arg"))
+        elif re.search(anchor, line):
+            open_ = {k: True for k in open_}
+    return len(hidden)
+
+
+@pytest.mark.inductor
+def test_inductor_keeps_the_overlap(tmp_path):
+    """Inductor's scheduler would pull each wait up to its collective; pin_collective_order keeps every
+    overlap our reordering chose (counted in Inductor's generated code, not just in our graph)."""
+    with fake_process_group(2):
+        compiled = fc.compile(llama(3), hardware="h100-nvlink", dump_dir=str(tmp_path))
+        compiled(tokens()).sum().backward()
+    for kind in ("1_forward0", "2_backward0"):
+        ours = (tmp_path / f"{kind}_2_reordered.txt").read_text().splitlines()
+        code = (tmp_path / f"{kind}_9_inductor_output_code.py").read_text().splitlines()
+        in_graph = _overlapped(
+            ours, r"(?P<out>\w+): \"[^\"]*\" = torch\.ops\._c10d_functional\.(all_gather_into_tensor|reduce_scatter_tensor)\.default",
+            r"torch\.ops\._c10d_functional\.wait_tensor\.default\((?P<arg>\w+)\)", r"torch\.ops\.aten\.(mm|bmm|addmm)\.default",
+        )
+        generated = _overlapped(
+            code, r"(?P<out>buf\d+) = torch\.ops\._c10d_functional\.(all_gather_into_tensor|reduce_scatter_tensor)\.default\(",
+            r"torch\.ops\._c10d_functional\.wait_tensor\.default\((?P<arg>buf\d+)\)", r"extern_kernels\.(mm|bmm|addmm)\(",
+        )
+        assert in_graph >= 2 and generated >= in_graph, (kind, in_graph, generated)
