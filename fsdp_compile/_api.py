@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import torch
-import torch.nn as nn
-from torch.distributed.fsdp import fully_shard as _torch_fully_shard
-
 import contextlib
 import dataclasses
+import inspect
 import itertools
 import types
 
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import fully_shard as _torch_fully_shard
 from torch.utils._pytree import tree_flatten
 
 from fsdp_compile import capture
@@ -33,7 +33,7 @@ def fully_shard(module, **kwargs):
     return _torch_fully_shard(module, **kwargs)
 
 
-fully_shard.__signature__ = __import__("inspect").signature(_torch_fully_shard)
+fully_shard.__signature__ = inspect.signature(_torch_fully_shard)
 
 
 class CompiledFSDPModule(nn.Module):
@@ -130,34 +130,27 @@ def compile(model: nn.Module, config: CompileConfig | None = None, **overrides) 
     """
     if isinstance(model, CompiledFSDPModule):
         raise TypeError("this model is already compiled by fsdp_compile.compile; pass the original module")
-    config = _resolve_config(model, config, overrides)
-    plan = read_plan(model)
-    _check_against_plan(config, plan)
-    check_ranks_agree(plan)
-    capture.install_hooks(model)
+    config, plan = _prepare(model, config, overrides)
     return CompiledFSDPModule(model, plan, config)
 
 
 def explain(model: nn.Module, *example_args, config: CompileConfig | None = None, **example_kwargs) -> Report:
-    return explain_with_graphs(model, example_args, example_kwargs, config)[0]
-
-
-def explain_with_graphs(model: nn.Module, example_args, example_kwargs, config: CompileConfig | None = None):
     """Capture forward and backward once on the example inputs and report what the compiler sees.
 
     No training step happens: parameter values, ``.grad``, buffers and the RNG state are restored
     afterwards. The graphs are the ones ``compile`` would hand to the configured backend (with
     Inductor's decompositions when ``backend="inductor"``), but no code is generated, so this is fast.
     Collectives run for real on a real process group (call it on every rank) and are no-ops on the
-    fake one.
+    fake one; a model entirely on the meta device is captured at full size without memory.
     """
+    return explain_with_graphs(model, example_args, example_kwargs, config)[0]
+
+
+def explain_with_graphs(model: nn.Module, example_args, example_kwargs, config: CompileConfig | None = None):
+    """``explain``, also returning the ``CapturedGraphs`` (every stage's graph, for dumps)."""
     if isinstance(model, CompiledFSDPModule):
         config, model = config or model.config, model._orig_mod
-    config = _resolve_config(model, config, {})
-    plan = read_plan(model)
-    _check_against_plan(config, plan)
-    check_ranks_agree(plan)
-    capture.install_hooks(model)
+    config, plan = _prepare(model, config, {})
     compiled = CompiledFSDPModule(model, plan, config, codegen=False)
     from torch._dynamo.utils import counters
 
@@ -169,6 +162,10 @@ def explain_with_graphs(model: nn.Module, example_args, example_kwargs, config: 
             torch.stack([t.float().sum() for t in leaves]).sum().backward()
     fw, bw = count_collectives(compiled.captured.forward), count_collectives(compiled.captured.backward)
     records = compiled.captured.records
+
+    def total(stage: str, key: str) -> float | None:
+        return sum(getattr(r, stage)[key] for r in records) * 1e3 if records else None
+
     by_fqn = {g.fqn: g for g in plan.groups}
     all_gather_buckets = [b for r in records if r.kind == "forward" for b in r.buckets if b["kind"] == "all_gather"]
     return Report(
@@ -190,12 +187,12 @@ def explain_with_graphs(model: nn.Module, example_args, example_kwargs, config: 
         ],
         backend=config.backend,
         hardware=records[0].hardware if records else None,
-        est_step_ms=sum(r.after["step_time"] for r in records) * 1e3 if records else None,
-        est_exposed_comm_ms=sum(r.after["exposed_comm_time"] for r in records) * 1e3 if records else None,
-        est_peak_bytes=max(r.peak_after for r in records) if records else None,
-        eager_est_step_ms=sum(r.before["step_time"] for r in records) * 1e3 if records else None,
-        eager_est_exposed_comm_ms=sum(r.before["exposed_comm_time"] for r in records) * 1e3 if records else None,
-        eager_est_peak_bytes=max(r.peak_before for r in records) if records else None,
+        est_step_ms=total("after", "step_time"),
+        est_exposed_comm_ms=total("after", "exposed_comm_time"),
+        est_peak_bytes=max((r.peak_after for r in records), default=None),
+        eager_est_step_ms=total("before", "step_time"),
+        eager_est_exposed_comm_ms=total("before", "exposed_comm_time"),
+        eager_est_peak_bytes=max((r.peak_before for r in records), default=None),
         graphs=[{k: v for k, v in dataclasses.asdict(r).items() if k != "stages"} for r in records],
     ), compiled.captured
 
@@ -222,6 +219,17 @@ def _preserved_state(model: nn.Module):
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
+
+
+def _prepare(model: nn.Module, config: CompileConfig | None, overrides: dict) -> tuple[CompileConfig, ShardingPlan]:
+    """Validate the config against the model's FSDP layout, agree on it across ranks, install the hook
+    dispatchers: everything ``compile`` and ``explain`` do before tracing."""
+    config = _resolve_config(model, config, overrides)
+    plan = read_plan(model)
+    _check_against_plan(config, plan)
+    check_ranks_agree(plan)
+    capture.install_hooks(model)
+    return config, plan
 
 
 def _resolve_config(model: nn.Module, config: CompileConfig | None, overrides: dict) -> CompileConfig:
