@@ -8,6 +8,7 @@ the lazily compiled backward), never set globally.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 from collections.abc import Callable
 
@@ -71,14 +72,35 @@ def tag_unshard_recompute(graph: torch.fx.Graph, reshard: dict[str, bool]) -> No
 
 
 class _JointTagPass(CustomGraphPass):
-    def __init__(self, reshard: dict[str, bool]):
+    """The joint-graph tagging pass, whose ``uuid`` also keys Inductor's and AOTAutograd's caches.
+
+    Our passes run inside the compile, after the Dynamo graph that those caches hash: two configs
+    (bucket="auto" vs "fsdp_group", reorder on/off, another hardware profile) share one Dynamo graph.
+    The uuid therefore covers the whole config and our source, so a cached artifact is only reused for
+    the same config and the same fsdp_compile code.
+    """
+
+    def __init__(self, reshard: dict[str, bool], config: CompileConfig):
         self.reshard = reshard
+        self.config = config
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         tag_unshard_recompute(graph, self.reshard)
 
     def uuid(self) -> bytes:
-        return hashlib.sha256(repr(sorted(self.reshard.items())).encode()).digest()
+        key = repr((sorted(self.reshard.items()), dataclasses.replace(self.config, dump_dir=None), _source_hash()))
+        return hashlib.sha256(key.encode()).digest()
+
+
+@functools.cache
+def _source_hash() -> str:
+    import pathlib
+
+    digest = hashlib.sha256()
+    root = pathlib.Path(__file__).parent
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
 
 
 def make_backend(config: CompileConfig, plan: ShardingPlan, captured: CapturedGraphs, codegen: bool = True) -> Callable:
@@ -105,7 +127,7 @@ def make_backend(config: CompileConfig, plan: ShardingPlan, captured: CapturedGr
     def backend(gm: torch.fx.GraphModule, example_inputs):
         record("dynamo", gm)
         if config.backend == "inductor" and codegen:
-            return _inductor(gm, example_inputs, reshard, record, captured, config.dump_dir)
+            return _inductor(gm, example_inputs, reshard, record, captured, config)
         decompositions = DECOMPOSITIONS
         if config.backend == "inductor":
             from torch._inductor.decomposition import select_decomp_table
@@ -288,21 +310,22 @@ def _aot_eager(gm, example_inputs, reshard, record, decompositions):
     )(gm, example_inputs)
 
 
-def _inductor(gm, example_inputs, reshard, record, captured, dump_dir):
+def _inductor(gm, example_inputs, reshard, record, captured, config):
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
     from torch._inductor.decomposition import select_decomp_table
 
     def inner_compile(g, *args, **kwargs):
         kind = "backward" if kwargs.get("is_backward") else "forward"
         record(kind, g)
-        pin_collective_order(g)
+        if captured.records[-1].moves:  # only reordered graphs need pinning (and control_deps disables
+            pin_collective_order(g)  # Inductor's FX graph cache, so graphs without moves stay cacheable)
         out = compile_fx_inner(g, *args, **kwargs)
         source = getattr(out, "source_code", None)
         if source:
             captured.output_code.append((kind, source))
-            if dump_dir:
+            if config.dump_dir:
                 index = sum(1 for k, _ in captured.output_code if k == kind) - 1
-                _dump_text(dump_dir, f"{_KIND_NO[kind]}_{kind}{index}_9_inductor_output_code.py", source)
+                _dump_text(config.dump_dir, f"{_KIND_NO[kind]}_{kind}{index}_9_inductor_output_code.py", source)
         return out
 
     return compile_fx(
@@ -310,5 +333,5 @@ def _inductor(gm, example_inputs, reshard, record, captured, dump_dir):
         example_inputs,
         inner_compile=inner_compile,
         decompositions={**select_decomp_table(), **DECOMPOSITIONS},
-        config_patches={"joint_custom_pre_pass": _JointTagPass(reshard)},
+        config_patches={"joint_custom_pre_pass": _JointTagPass(reshard, config)},
     )
