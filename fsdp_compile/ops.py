@@ -192,6 +192,8 @@ def unshard(
     the padding come from the shard shapes. ``kernels`` is "torch" (copies traced as torch ops) or
     "triton" (``fsdp_compile.kernels``, one launch per copy); ``rank`` is only read by the latter.
     """
+    # Eager calls only (compiled graphs use DECOMPOSITIONS): a custom op's outputs may not alias each
+    # other, and the decomposition's outputs are views of one gathered buffer.
     return [
         t.clone()
         for t in unshard_impl(shards, dim0s, group_name, world_size, rank, param_dtype, group_fqn, kernels)
