@@ -144,7 +144,9 @@ def _classify(graph: torch.fx.Graph) -> tuple[set[torch.fx.Node], set[torch.fx.N
         if is_grad:
             grad_dependent.add(node)
         meta = (node.meta.get("custom") or {}).get(META_KEY)
-        if meta and meta["kind"] == "unshard" and node.op == "call_function":
+        # AOTAutograd gives backward nodes the forward op's annotation ("unshard"); the decomposition's
+        # own "reduce_scatter" annotation survives where it does not. Gradient dependence decides.
+        if meta and meta["kind"] in ("unshard", "reduce_scatter") and node.op == "call_function":
             (reduce if is_grad else unshard).add(node)
     return unshard, reduce
 

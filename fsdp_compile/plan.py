@@ -64,10 +64,6 @@ class ShardingPlan:
     groups: tuple[GroupPlan, ...]
     device: torch.device  # where the parameters live (one device per rank)
 
-    @property
-    def param_fqns(self) -> list[str]:
-        return [p.fqn for g in self.groups for p in g.params]
-
     def fingerprint(self) -> list[tuple]:
         """The rank-independent part of the plan: what every rank must agree on to issue the same
         collectives in the same order (local shard sizes and the rank itself may differ)."""
