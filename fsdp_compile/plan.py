@@ -125,28 +125,30 @@ def _allow_meta_params(model: nn.Module):
 
 
 def check_ranks_agree(plan: ShardingPlan) -> None:
-    """Compare ``plan.fingerprint()`` across ranks once, at compile time.
+    """Compare ``plan.fingerprint()`` across the ranks of every process group the plan's collectives use.
 
     Ranks that shard different models would issue different collectives inside the compiled graphs and
     block until the process group's timeout, or exchange the wrong bytes; this turns that into an error
-    on every rank that names the first difference. Skipped on the fake process group (no peers).
+    on every rank that names the first difference. It compares within each FSDP process group, not the
+    whole world: ranks outside it (another pipeline stage, say) may hold another model. Tensor
+    collectives only (``_agree``), bounded by the process group's timeout. Skipped on the fake process
+    group (no peers).
     """
-    if not dist.is_initialized() or dist.get_backend() == "fake" or dist.get_world_size() == 1:
+    if not dist.is_initialized() or dist.get_backend() == "fake":
         return
-    mine = plan.fingerprint()
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)  # bounded by the default group's timeout
-    for rank, theirs in enumerate(gathered):
-        if theirs == mine:
-            continue
-        diff = next(
-            (f"FSDP group {a[0]!r}: {a} vs {b}" for a, b in zip(mine, theirs) if a != b),
-            f"{len(mine)} FSDP groups vs {len(theirs)}",
-        )
-        raise ValueError(
-            f"rank {dist.get_rank()} and rank {rank} shard different models ({diff}); every rank must build "
-            "the same model and call fully_shard the same way before fsdp_compile.compile"
-        )
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    from fsdp_compile._agree import check_same
+
+    items = [(f"FSDP group {entry[0] or '<root>'!r}", entry) for entry in plan.fingerprint()]
+    items.insert(0, ("the number of FSDP groups", len(items)))
+    for name in dict.fromkeys(g.group_name for g in plan.groups):
+        group = _resolve_process_group(name)
+        if group.size() > 1:
+            check_same(
+                "the sharded model", items, group, plan.device,
+                "every rank must build the same model and call fully_shard the same way before fsdp_compile.compile",
+            )
 
 
 def read_plan(model: nn.Module) -> ShardingPlan:

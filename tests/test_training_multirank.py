@@ -136,5 +136,5 @@ def mismatch_worker(rank, world_size):
 def test_ranks_with_different_models_fail_fast():
     """Instead of mismatched collectives (a hang until the timeout), a clear error on every rank."""
     for rank, msg in enumerate(run_ranks(mismatch_worker, 2, timeout=120)):
-        expected = "3 FSDP groups vs 4" if rank == 0 else "4 FSDP groups vs 3"
-        assert "shard different models" in msg and expected in msg, msg
+        expected = "the number of FSDP groups is 3 vs 4" if rank == 0 else "the number of FSDP groups is 4 vs 3"
+        assert "disagree on the sharded model" in msg and expected in msg, msg

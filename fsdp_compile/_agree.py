@@ -1,0 +1,75 @@
+"""Check that ranks agree on plain data, with tensor collectives only.
+
+``torch.distributed``'s object collectives pickle through NumPy, which neither torch's CPU wheel nor this
+package depends on (``RuntimeError: Numpy is not available`` on a minimal install). Here every rank
+serializes its items to JSON and the ranks of one process group compare a 32-byte digest: one small
+all-gather when they agree, the common case. Only when they differ are the full payloads exchanged, so
+the error can name the first item that differs and both ranks' values. Every rank raises the same kind
+of error, within the process group's timeout, instead of a hang or a size mismatch in a later collective.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import torch
+import torch.distributed as dist
+
+_DIGEST = 32  # sha256
+
+
+def _gather(payload: bytes, group, device: torch.device) -> list[bytes]:
+    """Every rank's ``payload`` (any length), in group-rank order."""
+    world = dist.get_world_size(group)
+    length = torch.tensor([len(payload)], dtype=torch.int64, device=device)
+    lengths = torch.empty(world, dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(lengths, length, group=group)
+    lengths_list = lengths.tolist()
+    width = max(lengths_list)
+    mine = torch.zeros(width, dtype=torch.uint8, device=device)
+    if payload:
+        mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
+    gathered = torch.empty(world * width, dtype=torch.uint8, device=device)
+    dist.all_gather_into_tensor(gathered, mine, group=group)
+    rows = gathered.view(world, width).cpu()
+    return [bytes(rows[r, :n].tolist()) for r, n in enumerate(lengths_list)]
+
+
+def check_same(what: str, items: list[tuple[str, object]], group, device: torch.device, fix: str) -> None:
+    """Raise ``ValueError`` on every rank of ``group`` unless all of them hold equal ``items``.
+
+    ``items``: ``(label, JSON-serializable value)`` pairs, compared in order; the error names ``what``,
+    the two ranks (global ranks), the first label whose values differ, both values and ``fix``.
+    """
+    if device.type == "meta":
+        device = torch.device("cpu")
+    payload = json.dumps(items, sort_keys=True, default=str).encode()
+    digest = torch.frombuffer(bytearray(hashlib.sha256(payload).digest()), dtype=torch.uint8).to(device)
+    world = dist.get_world_size(group)
+    digests = torch.empty(world * _DIGEST, dtype=torch.uint8, device=device)
+    dist.all_gather_into_tensor(digests, digest, group=group)
+    if bool((digests.view(world, _DIGEST) == digest).all()):
+        return
+    payloads = _gather(payload, group, device)
+    me = dist.get_rank(group)
+    mine = json.loads(payload)
+    for other, raw in enumerate(payloads):
+        theirs = json.loads(raw)
+        if theirs == mine:
+            continue
+        diff = next(
+            ((a[0], a[1], b[1]) for a, b in zip(mine, theirs) if a != b),
+            ("number of entries", len(mine), len(theirs)),
+        )
+        label, a, b = diff
+        raise ValueError(
+            f"rank {dist.get_global_rank(group, me)} and rank {dist.get_global_rank(group, other)} disagree on "
+            f"{what}: {label} is {a} vs {b}; {fix}"
+        )
+    # Our items equal everyone's, but some other pair differs: name one such pair too.
+    first = json.loads(payloads[0])
+    other = next(r for r, raw in enumerate(payloads) if json.loads(raw) != first)
+    raise ValueError(
+        f"rank {dist.get_global_rank(group, 0)} and rank {dist.get_global_rank(group, other)} disagree on {what}; {fix}"
+    )
