@@ -35,6 +35,41 @@ def summarize(times: list[float]) -> dict:
     }
 
 
+def medians_s(fns: dict, repeats: int, warmup: int, sync=lambda: None) -> dict:
+    """Median seconds per call of each fn, timed round-robin (one call of each per round) so that load
+    from other processes on a shared machine hits every variant alike; the first ``warmup`` rounds are
+    dropped. ``sync`` runs before and after each call (``torch.cuda.synchronize`` on a GPU)."""
+    times = {k: [] for k in fns}
+    for i in range(warmup + repeats):
+        for k, fn in fns.items():
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            if i >= warmup:
+                times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def median_s(fn, repeats: int, warmup: int, sync=lambda: None) -> float:
+    return medians_s({"fn": fn}, repeats, warmup, sync)["fn"]
+
+
+def adaptive_median_s(fn, min_reps: int = 5, min_time: float = 0.2, max_reps: int = 2000) -> float:
+    """Median seconds per call after one warm-up call, repeating until both ``min_reps`` calls and
+    ``min_time`` seconds are reached (for calls whose duration is not known in advance)."""
+    fn()
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < min_reps or time.perf_counter() - start < min_time:
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+        if len(times) >= max_reps:
+            break
+    return statistics.median(times)
+
+
 def step_peak_bytes(step, device: torch.device) -> int:
     """Peak tensor bytes allocated while ``step()`` runs, above what was live before it.
 

@@ -13,8 +13,9 @@ measures, on both ranks at once (as in training):
 * per-node overhead: an FX GraphModule of 500 dependent ``aten.add`` (or ``aten.view``) calls on a
   1-element tensor, per node: what ``aot_eager``, which runs the graph node by node, pays per op (view).
 
-Usage: ``python bench/calibrate_cpu_gloo.py [--json out.json]``. Prints medians per size and the fitted
-constants to paste into ``CPU_GLOO``. Takes ~30 s.
+Usage: ``python bench/calibrate_cpu_gloo.py [--out bench/results/calibrate_cpu_gloo.json]``. Prints medians
+per size and the fitted constants to paste into ``CPU_GLOO``, and writes them with the raw measurements to
+the JSON file that the profile cites. Takes ~30 s.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import datetime
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 
@@ -31,21 +33,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+sys.path.insert(0, os.path.dirname(__file__))
+import _harness as H  # noqa: E402
+
 W = 2
 SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20]  # bytes gathered / reduced
-
-
-def _timeit(fn, min_reps=5, min_time=0.2) -> float:
-    fn()  # warm-up
-    times = []
-    start = time.perf_counter()
-    while len(times) < min_reps or time.perf_counter() - start < min_time:
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-        if len(times) > 2000:
-            break
-    return statistics.median(times)
 
 
 CHAIN = 500
@@ -112,16 +104,16 @@ def _worker(rank: int, store_path: str, out_path: str) -> None:
             rates = []
             for n in (512, 1024):
                 a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-                rates.append(2 * n**3 / _timeit(lambda: torch.mm(a, b), min_time=0.5))
+                rates.append(2 * n**3 / H.adaptive_median_s(lambda: torch.mm(a, b), min_time=0.5))
             flops[str(dtype)] = max(rates)
         src, dst = torch.empty(16 << 20), torch.empty(16 << 20)  # 64 MiB fp32
         src.fill_(1.0)
-        mem_bw = 2 * src.nbytes / _timeit(lambda: dst.copy_(src), min_time=0.5)
+        mem_bw = 2 * src.nbytes / H.adaptive_median_s(lambda: dst.copy_(src), min_time=0.5)
         one = torch.ones(1)
         adds = _chain(torch.ops.aten.add.Tensor, (1,))
         views = _chain(torch.ops.aten.view.default, ([-1],))
-        overhead = _timeit(lambda: adds(one), min_time=0.5) / CHAIN
-        view_overhead = _timeit(lambda: views(one), min_time=0.5) / CHAIN
+        overhead = H.adaptive_median_s(lambda: adds(one), min_time=0.5) / CHAIN
+        view_overhead = H.adaptive_median_s(lambda: views(one), min_time=0.5) / CHAIN
         # rank 0's numbers; both ranks ran at once
         res.update(flops=flops, mem_bw=mem_bw, op_overhead=overhead, view_overhead=view_overhead)
         if rank == 0:
@@ -148,7 +140,10 @@ def fit(rows: list[tuple[int, float]], world_size: int = W) -> tuple[float, floa
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", help="also write the measurements and the fit here")
+    parser.add_argument(
+        "--out", default=os.path.join(os.path.dirname(__file__), "results", "calibrate_cpu_gloo.json"),
+        help="where to write the measurements, the fit and the constants (default: the file CPU_GLOO cites)",
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out.json")
@@ -169,16 +164,20 @@ def main() -> None:
     print(f"  matmul fp32: {res['flops']['torch.float32'] / 1e9:.1f} GFLOP/s, bf16: {res['flops']['torch.bfloat16'] / 1e9:.1f} GFLOP/s")
     print(f"  memory: {res['mem_bw'] / 1e9:.2f} GB/s moved (read + write)")
     print(f"  per-node overhead in an FX graph: {res['op_overhead'] * 1e6:.2f} us per op, {res['view_overhead'] * 1e6:.2f} us per view")
+    constants = {
+        "matmul_flops_fp32": res["flops"]["torch.float32"], "matmul_flops_lowp": res["flops"]["torch.bfloat16"],
+        "mem_bw": res["mem_bw"], "op_overhead": res["op_overhead"], "view_overhead": res["view_overhead"],
+        "bus_bw": bw, "step_latency": step, "base_latency": 0.0,
+    }
     print("CPU_GLOO constants:")
     print(f"  matmul_flops_fp32={res['flops']['torch.float32'] / 1e9:.1f} * 1e9,")
     print(f"  matmul_flops_lowp={res['flops']['torch.bfloat16'] / 1e9:.1f} * 1e9,")
     print(f"  mem_bw={res['mem_bw'] / 1e9:.2f} * GB,")
     print(f"  op_overhead={res['op_overhead'] * 1e6:.2f} * US,")
     print(f"  view_overhead={res['view_overhead'] * 1e6:.2f} * US,")
-    print(f"  intra=LinkProfile(bus_bw={bw / 1e9:.2f} * GB, step_latency={step * 1e6:.1f} * US, base_latency=0.0),")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({**res, "fit": fits, "date": str(datetime.date.today())}, f, indent=1)
+    print(f"  intra=LinkProfile(bus_bw={bw / 1e9:.3f} * GB, step_latency={step * 1e6:.1f} * US, base_latency=0.0),")
+    H.write_json(args.out, {"machine": H.machine(), **res, "fit": fits, "constants": constants})
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

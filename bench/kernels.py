@@ -23,19 +23,18 @@ Writes bench/results/kernels.json.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import platform
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed.fsdp._fully_shard._fsdp_collectives  # noqa: F401  (registers torch.ops.fsdp.*)
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, os.path.dirname(__file__))
+import _harness as H  # noqa: E402
+
+from fsdp_compile import _layout as L  # noqa: E402
 from fsdp_compile import kernels as K  # noqa: E402
 from fsdp_compile.kernels import _common as C  # noqa: E402
 
@@ -51,30 +50,6 @@ def workloads() -> dict[str, list[tuple[int, ...]]]:
     return {"llama_block": block, "many_small": small}
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Timing.
-
-
-def median_s(fn, repeats: int, warmup: int, sync=lambda: None) -> float:
-    return medians_s({"fn": fn}, repeats, warmup, sync)["fn"]
-
-
-def medians_s(fns: dict, repeats: int, warmup: int, sync=lambda: None) -> dict:
-    """Median seconds per call of each fn, timed round-robin (one call of each per round) so that load
-    from other processes on a shared machine hits every method alike; the first ``warmup`` rounds are
-    dropped."""
-    times = {k: [] for k in fns}
-    for i in range(warmup + repeats):
-        for k, fn in fns.items():
-            sync()
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            if i >= warmup:
-                times[k].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in times.items()}
-
-
 def shard(full: torch.Tensor, world_size: int, rank: int) -> torch.Tensor:
     chunks = torch.chunk(full, world_size, dim=0)
     return chunks[rank] if rank < len(chunks) else full.new_empty((0, *full.shape[1:]))
@@ -88,7 +63,7 @@ def cpu_cases(shapes, world_size: int, rank: int, param_dtype, comm_dtype):
     """Per kernel: (bytes moved, {method: callable}, (elements written, src dtype, dst dtype) for the plain copy)."""
     fulls = [torch.randn(s, dtype=param_dtype) for s in shapes]
     shards = [shard(f, world_size, rank) for f in fulls]
-    n = C.padded_numels(shapes, world_size)
+    n = L.padded_numels(shapes, world_size)
     N = sum(n)
     numels = [math.prod(s) for s in shapes]
     isz, osz = param_dtype.itemsize, comm_dtype.itemsize
@@ -176,7 +151,7 @@ def bench_cpu(args) -> list[dict]:
                     "alloc_copy": lambda: torch.empty(elems, dtype=dst_dt).copy_(src),
                     **methods,
                 }
-                t = medians_s(fns, args.repeats, args.warmup)
+                t = H.medians_s(fns, args.repeats, args.warmup)
                 copy_bytes = elems * (src_dt.itemsize + dst_dt.itemsize)
                 row = {"workload": wname, "kernel": kernel, "dtypes": f"{_short(param_dtype)}->{_short(comm_dtype)}", "bytes": nbytes}
                 for k, sec in t.items():
@@ -236,7 +211,7 @@ def bench_cuda(args) -> list[dict] | str:
         W, rank = args.world_size, args.rank
         fulls = [torch.randn(s, device=dev) for s in shapes]
         shards = [shard(f, W, rank) for f in fulls]
-        n = C.padded_numels(shapes, W)
+        n = L.padded_numels(shapes, W)
         N = sum(n)
         gathered = torch.randn(W * N, device=dev, dtype=torch.bfloat16)
         reduced = torch.randn(N, device=dev)
@@ -250,12 +225,12 @@ def bench_cuda(args) -> list[dict] | str:
         }
         big = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
         big2 = torch.empty_like(big)
-        t_d2d = median_s(lambda: big2.copy_(big), args.repeats, args.warmup, sync)
+        t_d2d = H.median_s(lambda: big2.copy_(big), args.repeats, args.warmup, sync)
         d2d_GBps = 2 * big.numel() / t_d2d / 1e9  # read + written
         for kernel, (nbytes, call) in calls.items():
             row = {"workload": wname, "kernel": kernel, "bytes": nbytes, "d2d_GBps": d2d_GBps}
             for impl in ("triton", "torch"):
-                t = median_s(lambda: call(impl), args.repeats, args.warmup, sync)
+                t = H.median_s(lambda: call(impl), args.repeats, args.warmup, sync)
                 row[f"{impl}_GBps"] = nbytes / t / 1e9
                 row[f"{impl}_vs_d2d"] = row[f"{impl}_GBps"] / d2d_GBps
                 with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -295,12 +270,9 @@ def main() -> None:
     if isinstance(cuda, str):
         print("CUDA:", cuda)
     result = {
+        "machine": H.machine(),
         "env": {
-            "torch": torch.__version__,
             "triton": getattr(C.triton, "__version__", None),
-            "python": platform.python_version(),
-            "machine": platform.machine(),
-            "cpu_count": os.cpu_count(),
             "threads": args.threads,
             "world_size": args.world_size,
             "rank": args.rank,
@@ -310,8 +282,7 @@ def main() -> None:
         "cpu": cpu,
         "cuda": cuda,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
+    H.write_json(str(args.out), result)
     print(f"wrote {args.out}")
 
 

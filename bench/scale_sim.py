@@ -36,7 +36,7 @@ import _harness as H  # noqa: E402
 
 import fsdp_compile as fc  # noqa: E402
 from fsdp_compile import passes  # noqa: E402
-from fsdp_compile._api import explain_with_graphs  # noqa: E402
+from fsdp_compile.debug import explain_graphs  # noqa: E402
 from fsdp_compile.models import SIZES, Llama, llama_blocks  # noqa: E402
 
 VARIANTS = ("eager-equivalent", "fc auto+reorder", "torch 2.13 passes")
@@ -54,7 +54,7 @@ def capture(size: str, world: int, seq: int):
         fully_shard(model, mp_policy=mp)
         tokens = torch.randint(0, 128, (1, seq), device="meta")
         config = fc.CompileConfig(backend="inductor", bucket="fsdp_group", reorder=False, hardware="h100-ib")
-        _, captured = explain_with_graphs(model, (tokens,), {}, config)
+        _, captured = explain_graphs(model, tokens, config=config)
         return captured.forward[0], captured.backward[0]
     finally:
         dist.destroy_process_group()

@@ -12,9 +12,9 @@ hook id, by a dispatcher:
 
 The parameters come from ``traced_forward``: for every FSDP group one ``fsdp_compile::unshard`` over the
 group's local shards (``DTensor.to_local()``, taken just outside the graph, so gradients arrive as
-Shard(0) DTensor ``.grad`` on the original parameters), then ``torch.func.functional_call`` runs the model with the full tensors. The
-backend then moves each unshard to just before its group's first use (``place_collectives``), which is
-where FSDP2's pre-forward hook would have issued it.
+Shard(0) DTensor ``.grad`` on the original parameters), then ``torch.func.functional_call`` runs the
+model with the full tensors. The passes then move each unshard to just before its group's first use
+(``passes/placement.py``), which is where FSDP2's pre-forward hook would have issued it.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ import torch.nn as nn
 from torch.distributed.fsdp._fully_shard._fsdp_common import _cast_fp_tensor
 from torch.distributed.utils import _apply_to_tensors
 
-from fsdp_compile.plan import ShardingPlan, fsdp_states
+from fsdp_compile.ops import Comm, Reduction, UnshardArgs
+from fsdp_compile.plan import GroupPlan, ShardingPlan, fsdp_states
 
 _ACTIVE = False  # True only while our compiled step runs (and while Dynamo traces it)
 
@@ -107,87 +108,16 @@ def traced_forward(
     return torch.func.functional_call(model, full, args, kwargs, tie_weights=True, strict=False)
 
 
-def _unshard(group, group_shards, kernels: str) -> dict[str, torch.Tensor]:
-    gathered = torch.ops.fsdp_compile.unshard(
-        group_shards,
-        [p.full_shape[0] for p in group.params],
-        group.group_name,
-        group.world_size,
-        group.rank,
-        group.param_dtype,
-        group.reduce_dtype,
-        group.reduce_op,
-        group.pre_factor,
-        group.post_factor,
-        group.fqn,
-        kernels,
+def unshard_args(group: GroupPlan, kernels: str) -> UnshardArgs:
+    """The ``fsdp_compile::unshard`` arguments for one FSDP group (or one parameter of it)."""
+    return UnshardArgs(
+        comm=Comm(group.fqn, group.group_name, group.world_size, group.rank, kernels),
+        dim0s=tuple(p.full_shape[0] for p in group.params),
+        param_dtype=group.param_dtype,
+        reduction=Reduction(group.reduce_dtype, group.reduce_op, group.pre_factor, group.post_factor),
     )
+
+
+def _unshard(group: GroupPlan, group_shards, kernels: str) -> dict[str, torch.Tensor]:
+    gathered = torch.ops.fsdp_compile.unshard(group_shards, *unshard_args(group, kernels).schema())
     return {p.fqn: t for p, t in zip(group.params, gathered)}
-
-
-def _classify(graph: torch.fx.Graph) -> tuple[set[torch.fx.Node], set[torch.fx.Node]]:
-    """Split the nodes our ops decomposed into: (unshard chains, reduce-scatter chains).
-
-    Unshard chain: copy-in, all-gather, wait, copy-out, computed from graph inputs alone (in a forward
-    graph, or recomputed in a backward graph). Reduce-scatter chain: the decomposed backward of an
-    unshard (pack, reduce-scatter, wait, unpack); it inherits the forward op's annotation but depends on
-    gradients, i.e. on the tangents.
-    """
-    from fsdp_compile.ops import META_KEY
-
-    grad_dependent: set[torch.fx.Node] = set()  # tangents and everything computed from them
-    unshard, reduce = set(), set()
-    for node in graph.nodes:
-        is_grad = (node.op == "placeholder" and node.name.startswith("tangents")) or any(
-            a in grad_dependent for a in node.all_input_nodes
-        )
-        if is_grad:
-            grad_dependent.add(node)
-        meta = (node.meta.get("custom") or {}).get(META_KEY)
-        # AOTAutograd gives backward nodes the forward op's annotation ("unshard"); the decomposition's
-        # own "reduce_scatter" annotation survives where it does not. Gradient dependence decides.
-        if meta and meta["kind"] in ("unshard", "reduce_scatter") and node.op == "call_function":
-            (reduce if is_grad else unshard).add(node)
-    return unshard, reduce
-
-
-def unshard_chain_nodes(graph: torch.fx.Graph) -> set[torch.fx.Node]:
-    return _classify(graph)[0]
-
-
-def place_collectives(graph: torch.fx.Graph) -> int:
-    """Put every unshard where FSDP2's pre-forward/pre-backward hook issues it, and every gradient
-    reduce-scatter where its post-backward hook issues it. Returns how many nodes moved.
-
-    AOTAutograd leaves the all-gathers where the joint graph had them: the forward's at each group's
-    ``unshard`` call, and the ones recomputed for ``reshard_after_forward`` all at the top of the
-    backward, which would hold every group's full parameters at once. And since ``traced_forward``
-    issues all unshards before any compute, autograd's sequence-number priority runs their backward,
-    the reduce-scatters, after all compute: every unsharded gradient would live to the end. So each
-    unshard-chain node sinks to just before its first user (last node first), and each
-    reduce-scatter-chain node rises to just after its last input (first node first).
-    A pure function of the graph, so every rank makes the same moves and the collectives keep one
-    order on all ranks.
-    """
-    unshard, reduce = _classify(graph)
-    moved = 0
-    for node in reversed(list(graph.nodes)):
-        if node in unshard and node.users:
-            first = min(node.users, key=_position(graph))
-            if first.prev is not node:
-                first.prepend(node)
-                moved += 1
-    for node in list(graph.nodes):
-        if node in reduce:
-            pos = _position(graph)
-            last = max(node.all_input_nodes, key=pos, default=None)
-            if last is not None and last.next is not node:
-                last.append(node)
-                moved += 1
-    graph.lint()
-    return moved
-
-
-def _position(graph: torch.fx.Graph):
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    return order.__getitem__

@@ -27,21 +27,90 @@ shard shapes, so graphs of evenly sharded models are identical on every rank.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
-import torch.fx.traceback as fx_traceback
 from torch import Tensor
+
+from fsdp_compile._annotations import REDUCE_SCATTER, UNSHARD, annotate
+from fsdp_compile._layout import inner_numel, padded_rows
 
 _c10d = torch.ops._c10d_functional
 
-# Marker placed in node.meta["custom"] by the decompositions, read by capture.py and passes/.
-META_KEY = "fsdp_compile"
+
+# --- the ops' arguments: one typed record each, converted to and from the op schema here only ----------
 
 
-def padded_rows(dim0: int, world_size: int) -> int:
-    """Rows every rank holds for a parameter with ``dim0`` rows: FSDP2's ``ceil(dim0 / W)``."""
-    return -(-dim0 // world_size)
+@dataclasses.dataclass(frozen=True)
+class Comm:
+    """Where and how one FSDP collective runs."""
+
+    fsdp_group: str  # the FSDP module FQN ("" for the root): the annotation the passes read
+    group_name: str  # the c10d process group the functional collective runs on
+    world_size: int
+    rank: int  # read only by the Triton copy kernels (the torch copies take it from the shard shapes)
+    kernels: str  # "torch" (copies traced as torch ops) | "triton" (fsdp_compile.kernels, one launch each)
+
+
+@dataclasses.dataclass(frozen=True)
+class Reduction:
+    """How gradients are reduced, as FSDP2's ``foreach_reduce`` does: used by the backward only."""
+
+    dtype: torch.dtype | None  # reduce-scatter dtype; None: the gradient's own
+    op: str  # "avg" | "sum" | "premul_sum"
+    pre_factor: float | None  # divisor before a "sum", multiplier for "premul_sum"
+    post_factor: float | None  # divisor after the reduce-scatter
+
+
+def _to_schema(comm: Comm, sizes: tuple[int, ...], dtype: torch.dtype | None, reduction: Reduction) -> tuple:
+    """Both ops' arguments after their tensor list, in schema order: one list of sizes, the ``Comm``, one
+    dtype, the ``Reduction``. The records below keep their fields in that order."""
+    return (list(sizes), comm.fsdp_group, comm.group_name, comm.world_size, comm.rank, comm.kernels, dtype,
+            reduction.dtype, reduction.op, reduction.pre_factor, reduction.post_factor)
+
+
+def _from_schema(sizes, fsdp_group, group_name, world_size, rank, kernels, dtype, reduce_dtype, reduce_op,
+                 pre_factor, post_factor) -> tuple:
+    return (Comm(fsdp_group, group_name, world_size, rank, kernels), tuple(sizes), dtype,
+            Reduction(reduce_dtype, reduce_op, pre_factor, post_factor))
+
+
+@dataclasses.dataclass(frozen=True)
+class UnshardArgs:
+    """Everything ``fsdp_compile::unshard`` takes besides the local shards."""
+
+    comm: Comm
+    dim0s: tuple[int, ...]  # each parameter's unsharded dim-0 size (the rest of its shape: the shard's)
+    param_dtype: torch.dtype | None  # all-gather and compute dtype; None: the parameter's own
+    reduction: Reduction  # parametrizes the backward (reduce_scatter_grads)
+
+    def schema(self) -> tuple:
+        return _to_schema(self.comm, self.dim0s, self.param_dtype, self.reduction)
+
+    @classmethod
+    def from_schema(cls, *schema) -> UnshardArgs:
+        return cls(*_from_schema(*schema))
+
+
+@dataclasses.dataclass(frozen=True)
+class ReduceScatterArgs:
+    """Everything ``fsdp_compile::reduce_scatter_grads`` takes besides the full-size gradients."""
+
+    comm: Comm
+    local_rows: tuple[int, ...]  # this rank's unpadded rows of each parameter (0 past the end)
+    orig_dtype: torch.dtype  # the sharded parameter's dtype: the shard gradients come back in it
+    reduction: Reduction  # reduction.dtype is resolved (never None here)
+
+    def schema(self) -> tuple:
+        return _to_schema(self.comm, self.local_rows, self.orig_dtype, self.reduction)
+
+    @classmethod
+    def from_schema(cls, *schema) -> ReduceScatterArgs:
+        return cls(*_from_schema(*schema))
+
+
+# --- the decompositions: what the compiled graphs hold ------------------------------------------------
 
 
 def _copy_in(shards: Sequence[Tensor], dim0s: Sequence[int], world_size: int, dtype) -> Tensor:
@@ -63,83 +132,55 @@ def _copy_out(gathered: Tensor, shards: Sequence[Tensor], dim0s: Sequence[int], 
     for shard, d in zip(shards, dim0s):
         c = padded_rows(d, world_size)
         tail = tuple(shard.shape[1:])
-        n = c * _prod(tail)
+        n = c * inner_numel((c, *tail))
         full = per_rank[:, offset : offset + n].reshape(world_size * c, *tail)
         outs.append(full[:d] if world_size * c != d else full)
         offset += n
     return outs
 
 
-def _prod(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
-def unshard_impl(
-    shards: list[Tensor],
-    dim0s: list[int],
-    group_name: str,
-    world_size: int,
-    rank: int,
-    param_dtype: torch.dtype | None,
-    group_fqn: str,
-    kernels: str,
-) -> list[Tensor]:
-    with fx_traceback.annotate({META_KEY: {"kind": "unshard", "group": group_fqn}}):
-        if kernels == "triton":  # one launch each for copy-in and copy-out (fsdp_compile.kernels)
+def unshard_impl(shards: list[Tensor], args: UnshardArgs) -> list[Tensor]:
+    """copy-in -> all-gather -> wait -> copy-out, every node annotated with the FSDP group."""
+    c = args.comm
+    with annotate(UNSHARD, c.fsdp_group):
+        if c.kernels == "triton":  # one launch each for copy-in and copy-out (fsdp_compile.kernels)
             from fsdp_compile import kernels as K
 
-            full_shapes = _full_shapes(shards, dim0s)
-            flat = K.all_gather_copy_in(shards, full_shapes, world_size, rank, dtype=param_dtype, impl="triton")
-            gathered = _c10d.wait_tensor(_c10d.all_gather_into_tensor(flat, world_size, group_name))
-            return K.all_gather_copy_out(gathered, full_shapes, world_size, impl="triton")
+            full_shapes = [(d, *s.shape[1:]) for s, d in zip(shards, args.dim0s)]
+            flat = K.all_gather_copy_in(shards, full_shapes, c.world_size, c.rank, dtype=args.param_dtype, impl="triton")
+            gathered = _c10d.wait_tensor(_c10d.all_gather_into_tensor(flat, c.world_size, c.group_name))
+            return K.all_gather_copy_out(gathered, full_shapes, c.world_size, impl="triton")
         # torch ops, traced into the graph: Inductor fuses them with their neighbours
-        flat = _copy_in(shards, dim0s, world_size, param_dtype)
-        gathered = _c10d.wait_tensor(_c10d.all_gather_into_tensor(flat, world_size, group_name))
-        return _copy_out(gathered, shards, dim0s, world_size)
+        flat = _copy_in(shards, args.dim0s, c.world_size, args.param_dtype)
+        gathered = _c10d.wait_tensor(_c10d.all_gather_into_tensor(flat, c.world_size, c.group_name))
+        return _copy_out(gathered, shards, args.dim0s, c.world_size)
 
 
-def _full_shapes(tensors: Sequence[Tensor], dim0s: Sequence[int]) -> list[tuple[int, ...]]:
-    return [(d, *t.shape[1:]) for t, d in zip(tensors, dim0s)]
-
-
-def reduce_scatter_grads_impl(
-    grads: list[Tensor],
-    local_rows: list[int],
-    group_name: str,
-    world_size: int,
-    rank: int,
-    reduce_dtype: torch.dtype,
-    orig_dtype: torch.dtype,
-    reduce_op: str,
-    pre_factor: float | None,
-    post_factor: float | None,
-    group_fqn: str,
-    kernels: str,
-) -> list[Tensor]:
-    with fx_traceback.annotate({META_KEY: {"kind": "reduce_scatter", "group": group_fqn}}):
-        if kernels == "triton":
+def reduce_scatter_grads_impl(grads: list[Tensor], args: ReduceScatterArgs) -> list[Tensor]:
+    """pack -> reduce-scatter -> wait -> unpack, with FSDP2's divide factors, annotated like the unshard."""
+    c, r = args.comm, args.reduction
+    with annotate(REDUCE_SCATTER, c.fsdp_group):
+        if c.kernels == "triton":
             from fsdp_compile import kernels as K
 
-            packed = K.reduce_scatter_copy_in(grads, world_size, dtype=reduce_dtype, impl="triton")
+            packed = K.reduce_scatter_copy_in(grads, c.world_size, dtype=r.dtype, impl="triton")
         else:
-            packed = _pack_grads(grads, world_size, reduce_dtype)
-        if reduce_op == "premul_sum":  # NCCL's PREMUL_SUM: scale each input, then sum
-            packed, reduce_op = packed * pre_factor, "sum"
-        elif pre_factor is not None:
-            packed = packed / pre_factor
-        if world_size > 1:
-            reduced = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(packed, reduce_op, world_size, group_name))
+            packed = _pack_grads(grads, c.world_size, r.dtype)
+        op = r.op
+        if op == "premul_sum":  # NCCL's PREMUL_SUM: scale each input, then sum
+            packed, op = packed * r.pre_factor, "sum"
+        elif r.pre_factor is not None:
+            packed = packed / r.pre_factor
+        if c.world_size > 1:
+            reduced = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(packed, op, c.world_size, c.group_name))
         else:
             reduced = packed.clone()
-        if post_factor is not None:
-            reduced = reduced / post_factor
-        if kernels == "triton":
+        if r.post_factor is not None:
+            reduced = reduced / r.post_factor
+        if c.kernels == "triton":
             full_shapes = [tuple(g.shape) for g in grads]
-            return K.reduce_scatter_copy_out(reduced, full_shapes, world_size, rank, dtype=orig_dtype, impl="triton")
-        return _unpack_grads(reduced, grads, local_rows, world_size, orig_dtype)
+            return K.reduce_scatter_copy_out(reduced, full_shapes, c.world_size, c.rank, dtype=args.orig_dtype, impl="triton")
+        return _unpack_grads(reduced, grads, args.local_rows, c.world_size, args.orig_dtype)
 
 
 def _pack_grads(grads: Sequence[Tensor], world_size: int, dtype: torch.dtype) -> Tensor:
@@ -161,7 +202,7 @@ def _unpack_grads(reduced: Tensor, grads, local_rows, world_size: int, dtype: to
     for g, rows in zip(grads, local_rows):
         c = padded_rows(g.shape[0], world_size)
         tail = tuple(g.shape[1:])
-        n = c * _prod(tail)
+        n = c * inner_numel((c, *tail))
         shard = reduced[offset : offset + n].view(c, *tail)
         if rows != c:
             shard = shard[:rows]
@@ -170,106 +211,70 @@ def _unpack_grads(reduced: Tensor, grads, local_rows, world_size: int, dtype: to
     return outs
 
 
+# --- the ops -------------------------------------------------------------------------------------------
+# Eager calls only (compiled graphs use DECOMPOSITIONS): a custom op's outputs may not alias each other or
+# its inputs, and the decompositions' outputs are views of one buffer, hence the clones.
+
+
 @torch.library.custom_op("fsdp_compile::unshard", mutates_args=())
 def unshard(
-    shards: list[Tensor],
-    dim0s: list[int],
-    group_name: str,
-    world_size: int,
-    rank: int,
-    param_dtype: torch.dtype | None,
-    reduce_dtype: torch.dtype | None,
-    reduce_op: str,
-    pre_factor: float | None,
-    post_factor: float | None,
-    group_fqn: str,
-    kernels: str,
+    shards: list[Tensor], dim0s: list[int], fsdp_group: str, group_name: str, world_size: int, rank: int,
+    kernels: str, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None, reduce_op: str,
+    pre_factor: float | None, post_factor: float | None,
 ) -> list[Tensor]:
     """All-gather one FSDP group's dim-0 shards into full parameters (see the module docstring).
-
-    The reduce-side arguments are unused in forward; they parametrize the backward, which is
-    ``reduce_scatter_grads``. ``dim0s[i]`` is parameter i's unsharded dim-0 size; the trailing dims and
-    the padding come from the shard shapes. ``kernels`` is "torch" (copies traced as torch ops) or
-    "triton" (``fsdp_compile.kernels``, one launch per copy); ``rank`` is only read by the latter.
-    """
-    # Eager calls only (compiled graphs use DECOMPOSITIONS): a custom op's outputs may not alias each
-    # other, and the decomposition's outputs are views of one gathered buffer.
-    return [
-        t.clone()
-        for t in unshard_impl(shards, dim0s, group_name, world_size, rank, param_dtype, group_fqn, kernels)
-    ]
+    The arguments after ``shards`` are ``UnshardArgs.schema()``; the reduce-side ones parametrize the
+    backward, ``reduce_scatter_grads``."""
+    args = UnshardArgs.from_schema(dim0s, fsdp_group, group_name, world_size, rank, kernels, param_dtype,
+                                   reduce_dtype, reduce_op, pre_factor, post_factor)
+    return [t.clone() for t in unshard_impl(shards, args)]
 
 
 @unshard.register_fake
-def _(shards, dim0s, group_name, world_size, rank, param_dtype, reduce_dtype, reduce_op, pre_factor, post_factor, group_fqn, kernels):
-    return [
-        s.new_empty((d, *s.shape[1:]), dtype=param_dtype or s.dtype) for s, d in zip(shards, dim0s)
-    ]
+def _(shards, dim0s, fsdp_group, group_name, world_size, rank, kernels, param_dtype, *reduction):
+    return [s.new_empty((d, *s.shape[1:]), dtype=param_dtype or s.dtype) for s, d in zip(shards, dim0s)]
 
 
 @torch.library.custom_op("fsdp_compile::reduce_scatter_grads", mutates_args=())
 def reduce_scatter_grads(
-    grads: list[Tensor],
-    local_rows: list[int],
-    group_name: str,
-    world_size: int,
-    rank: int,
-    reduce_dtype: torch.dtype,
-    orig_dtype: torch.dtype,
-    reduce_op: str,
-    pre_factor: float | None,
+    grads: list[Tensor], local_rows: list[int], fsdp_group: str, group_name: str, world_size: int, rank: int,
+    kernels: str, orig_dtype: torch.dtype, reduce_dtype: torch.dtype, reduce_op: str, pre_factor: float | None,
     post_factor: float | None,
-    group_fqn: str,
-    kernels: str,
 ) -> list[Tensor]:
-    """Reduce-scatter full-parameter gradients into this rank's shard gradients (FSDP2's post-backward)."""
-    return [
-        t.clone()
-        for t in reduce_scatter_grads_impl(
-            grads, local_rows, group_name, world_size, rank, reduce_dtype, orig_dtype, reduce_op, pre_factor,
-            post_factor, group_fqn, kernels,
-        )
-    ]
+    """Reduce-scatter full-parameter gradients into this rank's shard gradients (FSDP2's post-backward).
+    The arguments after ``grads`` are ``ReduceScatterArgs.schema()``."""
+    args = ReduceScatterArgs.from_schema(local_rows, fsdp_group, group_name, world_size, rank, kernels, orig_dtype,
+                                         reduce_dtype, reduce_op, pre_factor, post_factor)
+    return [t.clone() for t in reduce_scatter_grads_impl(grads, args)]
 
 
 @reduce_scatter_grads.register_fake
-def _(grads, local_rows, group_name, world_size, rank, reduce_dtype, orig_dtype, reduce_op, pre_factor, post_factor, group_fqn, kernels):
+def _(grads, local_rows, fsdp_group, group_name, world_size, rank, kernels, orig_dtype, *reduction):
     return [g.new_empty((rows, *g.shape[1:]), dtype=orig_dtype) for g, rows in zip(grads, local_rows)]
 
 
 def _unshard_setup_context(ctx, inputs, output) -> None:
-    shards, dim0s, group_name, world_size, rank, param_dtype, reduce_dtype, reduce_op, pre, post, group_fqn, kernels = inputs
+    shards, *schema = inputs
+    ctx.args = UnshardArgs.from_schema(*schema)
     ctx.local_rows = [s.shape[0] for s in shards]
     ctx.orig_dtypes = [s.dtype for s in shards]
     ctx.trainable = [s.requires_grad for s in shards]
-    ctx.args = (group_name, world_size, rank, reduce_dtype, reduce_op, pre, post, group_fqn, kernels)
+    ctx.n_schema = len(schema)
 
 
 def _unshard_backward(ctx, grads):
-    group_name, world_size, rank, reduce_dtype, reduce_op, pre, post, group_fqn, kernels = ctx.args
+    args: UnshardArgs = ctx.args
     # Only parameters that require grad (and got one) take part, as in FSDP2's post_backward; the
     # selection is static per trace, so every rank issues the same reduce-scatter.
     keep = [i for i, g in enumerate(grads) if g is not None and ctx.trainable[i]]
     shard_grads: list[Tensor | None] = [None] * len(grads)
     if keep:
-        orig_dtype = ctx.orig_dtypes[keep[0]]
-        reduced = reduce_scatter_grads(
-            [grads[i] for i in keep],
-            [ctx.local_rows[i] for i in keep],
-            group_name,
-            world_size,
-            rank,
-            reduce_dtype or grads[keep[0]].dtype,
-            orig_dtype,
-            reduce_op,
-            pre,
-            post,
-            group_fqn,
-            kernels,
-        )
+        reduction = dataclasses.replace(args.reduction, dtype=args.reduction.dtype or grads[keep[0]].dtype)
+        rs = ReduceScatterArgs(args.comm, tuple(ctx.local_rows[i] for i in keep), ctx.orig_dtypes[keep[0]], reduction)
+        reduced = reduce_scatter_grads([grads[i] for i in keep], *rs.schema())
         for i, g in zip(keep, reduced):
             shard_grads[i] = g
-    return (shard_grads,) + (None,) * 11
+    return (shard_grads, *([None] * ctx.n_schema))
 
 
 unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup_context)
@@ -277,8 +282,8 @@ unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup_contex
 
 # AOTAutograd decomposes our ops into the functional collectives above (see backend.py).
 DECOMPOSITIONS = {
-    torch.ops.fsdp_compile.unshard.default: lambda shards, dim0s, group_name, world_size, rank, param_dtype, *rest: (
-        unshard_impl(shards, dim0s, group_name, world_size, rank, param_dtype, rest[-2], rest[-1])
+    torch.ops.fsdp_compile.unshard.default: lambda shards, *schema: unshard_impl(shards, UnshardArgs.from_schema(*schema)),
+    torch.ops.fsdp_compile.reduce_scatter_grads.default: (
+        lambda grads, *schema: reduce_scatter_grads_impl(grads, ReduceScatterArgs.from_schema(*schema))
     ),
-    torch.ops.fsdp_compile.reduce_scatter_grads.default: reduce_scatter_grads_impl,
 }

@@ -19,7 +19,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import _get_gradient_
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Shard
 
-from fsdp_compile.ops import padded_rows
+from fsdp_compile._layout import padded_rows, rank_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,7 +212,7 @@ def _read_group(fqn: str, pg, canonical: dict) -> GroupPlan:
             raise ValueError(f"{where_p} is managed by FSDP but not reachable by model.named_parameters()")
         local = param.to_local()
         full = tuple(param.shape)
-        expected = max(0, min(padded_rows(full[0], world_size), full[0] - group.rank() * padded_rows(full[0], world_size)))
+        expected = rank_rows(full[0], world_size, group.rank())
         if local.shape[0] != expected or tuple(local.shape[1:]) != full[1:]:
             raise ValueError(f"{where_p}: local shard {tuple(local.shape)} does not match FSDP2's dim-0 layout of {full} over {world_size} ranks")
         params.append(ParamPlan(canonical[param], full, local.shape[0], param.dtype, param.requires_grad))

@@ -1,4 +1,4 @@
-"""Shared fixtures for the ``tests/test_passes_*.py`` files (no tests here).
+"""Shared fixtures for the ``tests/test_passes_*.py`` files (no tests here; pytest does not collect it).
 
 * ``captured(world_size)``: the forward and backward graphs of a 4-layer Llama on the fake process group,
   captured once per world size per session;
@@ -6,17 +6,32 @@
   reduce-scatter emulated over ``W`` virtual ranks, rank ``r`` holding ``(1 + r / W) * x``. Collectives on
   the fake process group return garbage, so this is how a bucketed graph's numbers are compared with the
   original's at any world size: a wrong layout (rows vs columns, offsets) changes the outputs;
+* ``PROFILE``: the hand-checkable cost-model profile of the simulator and reordering tests (1 TFLOP/s,
+  free memory traffic and launches, a 0.5 GB/s link with 1 ms per ring step);
 * ``copy_gm``, ``random_inputs``, ``same_outputs``.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import torch.fx as fx
 
+from fsdp_compile.passes.cost_model import HardwareProfile, LinkProfile
+
 _c10d = torch.ops._c10d_functional
+PROFILE = HardwareProfile(
+    name="hand",
+    device_type="cpu",
+    matmul_flops_fp32=1e12,
+    matmul_flops_lowp=1e12,
+    mem_bw=math.inf,
+    op_overhead=0.0,
+    intra=LinkProfile(bus_bw=0.5e9, step_latency=1e-3, base_latency=0.0),
+    ranks_per_node=8,
+)
 
 
 @functools.lru_cache(maxsize=None)

@@ -6,17 +6,15 @@ implementation must equal it bitwise, and the Triton kernels (run by the interpr
 the torch implementation bitwise, NaN payloads aside (torch itself is not consistent there).
 """
 
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton / fsdp_compile
-
 import math
+import os
 import random
 
 import pytest
 import torch
 
 from fsdp_compile import kernels as K
+from fsdp_compile import _layout as L
 from fsdp_compile.kernels import _common as C
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -26,10 +24,13 @@ SHAPES = [(7, 5), (2,), (4, 3, 2), (1, 9), (0, 3), (3,), (10, 1)]
 
 @pytest.fixture
 def triton_impl():
+    """The Triton kernels, built for the CPU interpreter for this test only (``triton_mode``)."""
     pytest.importorskip("triton")
-    if not C.interpreting():
-        pytest.skip("fsdp_compile.kernels was imported without TRITON_INTERPRET=1; CPU Triton needs the interpreter")
-    return "triton"
+    from triton_mode import triton_interpreter
+
+    with triton_interpreter():
+        assert C.interpreting()
+        yield "triton"
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -280,7 +281,7 @@ def test_large_tensors_span_several_programs(triton_impl):
     shapes = [(1001, 301), (5,), (257, 3)]
     world_size = 3
     fulls = params(shapes, torch.float32, seed=5)
-    n = C.padded_numels(shapes, world_size)
+    n = L.padded_numels(shapes, world_size)
     assert C.block_size(n, torch.device("cpu")) < n[0]  # several programs for the big one
     gathered = torch.cat([spec_copy_in(fulls, world_size, r, torch.bfloat16) for r in range(world_size)])
     shards = [spec_shard(f, world_size, 1) for f in fulls]
@@ -422,7 +423,7 @@ def test_out_writes_in_place(triton_impl):
     fulls = params(SHAPES, torch.float32, seed=9)
     shards = [spec_shard(f, world_size, rank) for f in fulls]
     for impl in ("torch", triton_impl):
-        total = sum(C.padded_numels(SHAPES, world_size))
+        total = sum(L.padded_numels(SHAPES, world_size))
         ag_buffer = torch.full((world_size * total,), -1.0, dtype=torch.bfloat16)  # FSDP2-style: write this rank's slice
         mine = ag_buffer.narrow(0, rank * total, total)
         assert K.all_gather_copy_in(shards, SHAPES, world_size, rank, torch.bfloat16, impl=impl, out=mine) is mine

@@ -1,23 +1,25 @@
 """End to end: compiled training with the Triton copy kernels (interpreted on CPU) equals the torch copies.
 
-TRITON_INTERPRET must be set before fsdp_compile.kernels is imported (Triton decides at kernel
-definition); spawned ranks import this module first, so setting it here covers them.
+Each spawned rank builds the kernels for Triton's interpreter for the run only (``triton_mode``).
 """
 
-import os
+import pytest
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-
-from dist_helpers import run_ranks  # noqa: E402
-from parity import Case, batch, build, loss_fn, max_diff  # noqa: E402
+from dist_helpers import run_ranks
+from parity import Case, batch, build, loss_fn, max_diff
 
 pytest.importorskip("triton")
 pytestmark = pytest.mark.multirank
 
 
 def kernels_worker(rank, world_size, case):
+    from triton_mode import triton_interpreter
+
+    with triton_interpreter():
+        return _kernels_worker(rank, case)
+
+
+def _kernels_worker(rank, case):
     import torch
 
     import fsdp_compile as fc

@@ -5,7 +5,8 @@ import torch
 import torch.distributed as dist
 
 import fsdp_compile  # noqa: F401  (registers the ops)
-from fsdp_compile.ops import _copy_in, _copy_out, _pack_grads, _unpack_grads, padded_rows
+from fsdp_compile._layout import padded_rows
+from fsdp_compile.ops import Comm, Reduction, ReduceScatterArgs, UnshardArgs, _copy_in, _copy_out, _pack_grads, _unpack_grads
 
 SHAPES = [(5, 3), (1,), (7,), (2, 4, 3), (8, 2)]
 
@@ -80,20 +81,20 @@ def gloo_world_1():
 def test_opcheck(gloo_world_1):
     """Schema, fake implementations, autograd registration and dispatch are consistent."""
     shards = [torch.randn(5, 3, requires_grad=True), torch.randn(2, requires_grad=True)]
-    args = (shards, [5, 2], gloo_world_1, 1, 0, torch.bfloat16, torch.float32, "avg", None, None, "layers.0", "torch")
-    torch.library.opcheck(torch.ops.fsdp_compile.unshard.default, args)
+    comm = Comm("layers.0", gloo_world_1, world_size=1, rank=0, kernels="torch")
+    args = UnshardArgs(comm, (5, 2), torch.bfloat16, Reduction(torch.float32, "avg", None, None))
+    torch.library.opcheck(torch.ops.fsdp_compile.unshard.default, (shards, *args.schema()))
     grads = [torch.randn(5, 3), torch.randn(2)]
-    rs_args = (grads, [5, 2], gloo_world_1, 1, 0, torch.float32, torch.float32, "sum", None, None, "layers.0", "torch")
-    torch.library.opcheck(torch.ops.fsdp_compile.reduce_scatter_grads.default, rs_args)
+    rs_args = ReduceScatterArgs(comm, (5, 2), torch.float32, Reduction(torch.float32, "sum", None, None))
+    torch.library.opcheck(torch.ops.fsdp_compile.reduce_scatter_grads.default, (grads, *rs_args.schema()))
 
 
 def test_unshard_eager_autograd(gloo_world_1):
     """Called eagerly, unshard is the identity on 1 rank (cast to param_dtype) and its backward casts the
     gradient back to the parameter dtype, divided as FSDP2 would (fp16 reduce: pre/post factors)."""
     w = torch.randn(5, 3, requires_grad=True)
-    (full,) = torch.ops.fsdp_compile.unshard(
-        [w], [5], gloo_world_1, 1, 0, torch.float16, torch.float16, "sum", 2.0, 4.0, "", "torch"
-    )
+    args = UnshardArgs(Comm("", gloo_world_1, 1, 0, "torch"), (5,), torch.float16, Reduction(torch.float16, "sum", 2.0, 4.0))
+    (full,) = torch.ops.fsdp_compile.unshard([w], *args.schema())
     assert full.dtype == torch.float16 and torch.equal(full, w.to(torch.float16))
     full.float().sum().backward()
     assert w.grad.dtype == torch.float32 and torch.equal(w.grad, torch.full((5, 3), 1 / 8))

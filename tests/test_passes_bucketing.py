@@ -14,11 +14,12 @@ import torch.distributed as dist
 import torch.fx.traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from fsdp_compile.ops import reduce_scatter_grads_impl, unshard_impl
+from fsdp_compile.ops import Comm, Reduction, ReduceScatterArgs, UnshardArgs, reduce_scatter_grads_impl, unshard_impl
+from fsdp_compile.passes import _bucket_rewrite as R
 from fsdp_compile.passes import bucketing as B
 from fsdp_compile.passes import peak_memory, simulate
 from fsdp_compile.passes import predicates as P
-from test_passes_helpers import EmulatedRanks, captured, copy_gm, nodes_by_name, random_inputs, same_outputs
+from passes_helpers import EmulatedRanks, captured, copy_gm, nodes_by_name, random_inputs, same_outputs
 
 GROUPS = ["", "layers.0", "layers.1", "layers.2", "layers.3"]
 
@@ -98,13 +99,13 @@ def test_auto_estimate_matches_applied_graph():
     fw, bw, _ = captured(8)
     for gm in (fw, bw):
         cm = B.cost_model_for("cpu-gloo", gm.graph)
-        est = B._Estimator(gm.graph, cm)
+        est = R.Estimator(gm.graph, cm)
         for kind in ("all_gather", "reduce_scatter"):
             colls = P.collectives(gm.graph, kind)
             for bucket in [colls[i : i + 2] for i in range(len(colls) - 1)] + [colls[:3]]:
                 if len(bucket) < 2:
                     continue
-                rw = B._describe(gm.graph, bucket, est.pos)
+                rw = R.describe(gm.graph, bucket, est.pos)
                 predicted = est.evaluate(est.transform(est.base, rw, "t"))
                 new = _apply_on_copy(gm, [bucket])
                 assert predicted[0] == pytest.approx(simulate(new, cm).step_time, rel=1e-12)
@@ -157,26 +158,19 @@ def test_explicit_plan_errors():
 W = 2
 
 
-def _impl(fn, **kwargs):
-    """Call one of ``ops``' decompositions by keyword (the optional ones only if it takes them)."""
-    import inspect
-
-    params = inspect.signature(fn).parameters
-    optional = {"rank": 0, "kernels": "torch"}
-    return fn(**kwargs, **{k: v for k, v in optional.items() if k in params})
-
-
 def _step(group_name, w):
-    common = dict(group_name=group_name, world_size=w)
-    rs = dict(common, reduce_dtype=torch.float32, orig_dtype=torch.float32, reduce_op="avg", pre_factor=None, post_factor=None)
+    def comm(group):
+        return Comm(fsdp_group=group, group_name=group_name, world_size=w, rank=0, kernels="torch")
+
+    avg = Reduction(dtype=torch.float32, op="avg", pre_factor=None, post_factor=None)
 
     def step(a, b, c, g1, g2):
         # two FSDP groups: m1 = {a [5, 3] (uneven over 2 ranks: 3 + 2 rows), b [4]}, m2 = {c [4, 3]}
-        fa, fb = _impl(unshard_impl, shards=[a, b], dim0s=[5, 4], param_dtype=None, group_fqn="m1", **common)
-        (fc,) = _impl(unshard_impl, shards=[c], dim0s=[4], param_dtype=None, group_fqn="m2", **common)
+        fa, fb = unshard_impl([a, b], UnshardArgs(comm("m1"), (5, 4), None, avg))
+        (fc,) = unshard_impl([c], UnshardArgs(comm("m2"), (4,), None, avg))
         out = fa.sum(0) * fb[:3] + fc.sum(0)
-        (r1,) = _impl(reduce_scatter_grads_impl, grads=[g1], local_rows=[2], group_fqn="m1", **rs)
-        (r2,) = _impl(reduce_scatter_grads_impl, grads=[g2], local_rows=[2], group_fqn="m2", **rs)
+        (r1,) = reduce_scatter_grads_impl([g1], ReduceScatterArgs(comm("m1"), (2,), torch.float32, avg))
+        (r2,) = reduce_scatter_grads_impl([g2], ReduceScatterArgs(comm("m2"), (2,), torch.float32, avg))
         return out, r1, r2
 
     return step
@@ -264,10 +258,10 @@ def test_opaque_copy_in_and_copy_out():
     """Copy-ins that are not a ``cat`` and copy-outs that read the flat 1-D result (as custom copy kernels
     do) still bucket: the flat inputs are concatenated and each member gets a contiguous 1-D slice."""
     from dist_helpers import fake_process_group
-    from fsdp_compile.ops import META_KEY
+    from fsdp_compile._annotations import UNSHARD, annotate
 
     def tag(group):
-        return fx_traceback.annotate({META_KEY: {"kind": "unshard", "group": group}})
+        return annotate(UNSHARD, group)
 
     with fake_process_group(W):
         pg = dist.group.WORLD.group_name

@@ -9,7 +9,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from dist_helpers import fake_process_group
 from fsdp_compile.passes import memory_timeline, peak_memory
-from test_passes_helpers import captured
+from passes_helpers import captured
 
 c10d = torch.ops._c10d_functional
 KB4 = 4096  # a [1024] fp32 tensor

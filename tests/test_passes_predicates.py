@@ -12,7 +12,7 @@ import torch
 import torch.fx as fx
 
 from fsdp_compile.passes import predicates as P
-from test_passes_helpers import captured
+from passes_helpers import captured
 
 GROUPS = ["", "layers.0", "layers.1", "layers.2", "layers.3"]
 
@@ -82,7 +82,7 @@ def test_wait_pairs_and_copies(world_size):
 
 def test_recomputed_all_gathers_do_not_depend_on_tangents():
     _, bw, _ = captured(8)
-    grad_side = P.depends_on_tangents(bw.graph)
+    grad_side = P.gradient_dependent(bw.graph)
     assert all(n not in grad_side for n in P.collectives(bw.graph, "all_gather"))
     assert all(n in grad_side for n in P.collectives(bw.graph, "reduce_scatter"))
 

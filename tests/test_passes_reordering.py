@@ -1,6 +1,6 @@
 """Reordering: prefetch all-gathers and sink reduce-scatter waits within a memory budget.
 
-Hand-built schedule (``test_passes_simulate.PROFILE``: mm of [1000, 1000]^2 = 2 ms, all-gather of 1 MB per
+Hand-built schedule (``passes_helpers.PROFILE``: mm of [1000, 1000]^2 = 2 ms, all-gather of 1 MB per
 rank = 3 ms, memory traffic free)::
 
     input:      mm0 (2 ms) -> ag1 (3 ms, exposed) -> wait ag1 -> sum          step 5 ms
@@ -24,8 +24,7 @@ from fsdp_compile.passes import peak_memory, simulate
 from fsdp_compile.passes import predicates as P
 from fsdp_compile.passes.cost_model import CostModel
 from fsdp_compile.passes.reordering import reorder
-from test_passes_helpers import EmulatedRanks, captured, copy_gm, random_inputs, same_outputs
-from test_passes_simulate import PROFILE
+from passes_helpers import PROFILE, EmulatedRanks, captured, copy_gm, random_inputs, same_outputs
 
 c10d = torch.ops._c10d_functional
 MB = 1_000_000
@@ -64,7 +63,9 @@ def test_prefetch_within_budget_hides_the_all_gather():
     gm = _hand_built()
     cm = CostModel(PROFILE)
     r = reorder(gm, cm, memory_budget_bytes=11 * MB + S)
-    assert r.moves == ["all_gather_into_tensor: issued before mm (was before wait_tensor)"]
+    [move] = r.moves
+    assert (move.kind, move.node, move.anchor, move.was) == ("prefetch", "all_gather_into_tensor", "mm", "wait_tensor")
+    assert (move.step_before, move.step_after, move.peak_after) == pytest.approx((5 * MS, 3 * MS, 11 * MB + S))
     assert _order(gm)[:3] == ["all_gather_into_tensor", "mm", "sum_1"]
     assert (r.step_before, r.step_after) == pytest.approx((5 * MS, 3 * MS))
     assert simulate(gm, cm).step_time == pytest.approx(3 * MS)
@@ -88,6 +89,6 @@ def test_captured_llama(world_size, hardware):
         inputs = random_inputs(gm)
         assert same_outputs(EmulatedRanks(gm).run(*inputs), EmulatedRanks(new).run(*inputs))
         if gm is bw:
-            assert any("waited after" in m for m in r.moves)
+            assert any(m.kind == "sink_wait" for m in r.moves)
             assert any(c.hidden > 0 for c in after.collectives if c.kind == "reduce_scatter")
         assert any(c.hidden > 0 for c in after.collectives if c.kind == "all_gather")

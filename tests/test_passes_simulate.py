@@ -11,7 +11,6 @@ ring step. So, with W = 2:
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 import torch
@@ -20,20 +19,10 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from dist_helpers import fake_process_group
 from fsdp_compile.passes import simulate
-from fsdp_compile.passes.cost_model import CostModel, HardwareProfile, LinkProfile
-from test_passes_helpers import captured
+from fsdp_compile.passes.cost_model import CostModel
+from passes_helpers import PROFILE, captured
 
 c10d = torch.ops._c10d_functional
-PROFILE = HardwareProfile(
-    name="hand",
-    device_type="cpu",
-    matmul_flops_fp32=1e12,
-    matmul_flops_lowp=1e12,
-    mem_bw=math.inf,
-    op_overhead=0.0,
-    intra=LinkProfile(bus_bw=0.5e9, step_latency=1e-3, base_latency=0.0),
-    ranks_per_node=8,
-)
 MS = 1e-3
 
 

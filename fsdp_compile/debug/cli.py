@@ -94,7 +94,7 @@ def _explain(ns):
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from fsdp_compile._api import explain_with_graphs
+    from fsdp_compile.debug import explain_graphs
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=ns.world_size)
     try:
@@ -102,7 +102,7 @@ def _explain(ns):
         model, args, kwargs = load_model(ns.model)
         _progress("capturing forward and backward (no code generation)")
         t0 = time.monotonic()
-        report, captured = explain_with_graphs(model, args, kwargs, _config(ns))
+        report, captured = explain_graphs(model, *args, config=_config(ns), **kwargs)
         _progress(f"captured in {time.monotonic() - t0:.1f} s")
         return report, captured
     finally:

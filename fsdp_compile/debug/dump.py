@@ -1,18 +1,89 @@
-"""Dump directories: every stage's graph, ``schedule.json``, ``report.md``, ``report.json``, the timeline.
+"""Everything written about a compile: readable graphs, stage dumps, TORCH_TRACE artifacts, dump directories.
 
-Names sort in pipeline order: ``0_dynamo0.txt``, ``1_forward0_0_captured.txt``, ``1_forward0_1_bucketed.txt``,
-``1_forward0_2_reordered.txt``, ``2_backward0_...``, then the reports. ``rerender(dir)`` rebuilds
-``report.md`` and the timelines from ``report.json`` alone.
+Two producers share the file names, so both kinds of dump sort the same way, in pipeline order:
+``0_dynamo0.txt``, ``1_forward0_0_captured.txt``, ``1_forward0_1_bucketed.txt``, ``1_forward0_2_reordered.txt``,
+``1_forward0_9_inductor_output_code.py``, ``2_backward0_...``, then the reports:
+
+* ``CompileHook``, the backend's one hook, while a real compile runs (``CompileConfig.dump_dir`` or
+  ``$FSDP_COMPILE_DUMP``; TORCH_TRACE artifacts for tlparse whenever tracing is on);
+* ``write_dump`` after ``explain`` (the CLI's ``dump``): also ``schedule.json``, ``report.md``,
+  ``report.json`` and the timeline. ``rerender(dir)`` rebuilds ``report.md`` and the timelines from
+  ``report.json`` alone.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
+import torch.fx as fx
+
+from fsdp_compile._annotations import fsdp_groups
 from fsdp_compile.report import Bucket, Report
 
-from fsdp_compile.backend import _KIND_NO as KIND_NO
+KIND_NO = {"dynamo": 0, "forward": 1, "backward": 2}
+
+
+def readable(gm: fx.GraphModule) -> str:
+    """The graph as Python, without strides and devices, and each collective with its FSDP modules."""
+    gm.recompile()
+    text = gm.print_readable(print_output=False, include_stride=False, include_device=False)
+    lines = ["", "# collectives (node -> FSDP groups)"]
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and str(node.target).startswith("_c10d_functional."):
+            lines.append(f"# {node.name}: {node.target} groups={list(fsdp_groups(node))!r}")
+    return text + "\n".join(lines) + "\n"
+
+
+def _write(dump_dir: str, name: str, text: str) -> str:
+    os.makedirs(dump_dir, exist_ok=True)
+    path = os.path.join(dump_dir, name)
+    with open(path, "w") as f:
+        f.write(text)
+    return path
+
+
+def _record_payload(record) -> dict:
+    return {k: v for k, v in dataclasses.asdict(record).items() if k != "stages"}
+
+
+class CompileHook:
+    """What the backend reports while it compiles: graphs to ``dump_dir`` (if set) and to TORCH_TRACE."""
+
+    def __init__(self, dump_dir: str | None):
+        self.dump_dir = dump_dir
+
+    def dynamo(self, index: int, gm: fx.GraphModule) -> None:
+        if self.dump_dir:
+            _write(self.dump_dir, f"0_dynamo{index}.txt", readable(gm))
+
+    def passes(self, record) -> None:
+        """A forward/backward graph's stages (captured, bucketed, reordered) and predicted schedule."""
+        from torch._logging import trace_structured
+
+        name = f"fsdp_compile_{record.kind}{record.index}"
+        payload = _record_payload(record)
+        trace_structured(
+            "artifact",
+            metadata_fn=lambda: {"name": f"{name}_schedule", "encoding": "json"},
+            payload_fn=lambda: json.dumps(payload),
+        )
+        for stage, text in record.stages:
+            trace_structured(
+                "artifact",
+                metadata_fn=lambda stage=stage: {"name": f"{name}_{stage}_graph", "encoding": "string"},
+                payload_fn=lambda text=text: text,
+            )
+        if self.dump_dir:
+            prefix = f"{KIND_NO[record.kind]}_{record.kind}{record.index}"
+            for i, (stage, text) in enumerate(record.stages):
+                _write(self.dump_dir, f"{prefix}_{i}_{stage}.txt", text)
+            _write(self.dump_dir, f"{prefix}_schedule.json", json.dumps(payload, indent=2))
+
+    def output_code(self, kind: str, index: int, source: str) -> None:
+        if self.dump_dir:
+            _write(self.dump_dir, f"{KIND_NO[kind]}_{kind}{index}_9_inductor_output_code.py", source)
 
 
 def write_dump(out: str, report: Report, captured=None) -> list[str]:
@@ -27,10 +98,8 @@ def write_dump(out: str, report: Report, captured=None) -> list[str]:
         paths.append(path)
 
     if captured is not None:
-        from fsdp_compile.backend import _readable
-
         for i, gm in enumerate(captured.dynamo):
-            write(f"0_dynamo{i}.txt", _readable(gm))
+            write(f"0_dynamo{i}.txt", readable(gm))
         for record in captured.records:
             for s, (stage, text) in enumerate(record.stages):
                 write(f"{KIND_NO[record.kind]}_{record.kind}{record.index}_{s}_{stage}.txt", text)
@@ -102,9 +171,19 @@ def detailed_markdown(report: Report) -> str:
             )
         if g["moves"]:
             lines += ["", "Reordering (each move kept only if the simulated step got faster within the budget):"]
-            lines += [f"- {m}" for m in g["moves"]]
+            lines += [f"- {render_move(m)}" for m in g["moves"]]
         lines.append("")
     return "\n".join(lines) + "\n"
+
+
+def render_move(m: dict) -> str:
+    """One ``reordering.Move`` (as a dict) as a sentence."""
+    if m["kind"] == "prefetch":
+        where = f"{m['node']}: issued before {m['anchor']} (was before {m['was']})"
+    else:
+        where = f"{m['node']}: waited after {m['anchor']} (was after {m['was']})"
+    return (f"{where}; step {m['step_before'] * 1e3:.3f} -> {m['step_after'] * 1e3:.3f} ms, "
+            f"peak {m['peak_after'] / 2**20:.1f} MiB")
 
 
 def render(out: str, report: Report) -> list[str]:

@@ -16,6 +16,8 @@ from collections.abc import Sequence
 
 import torch
 
+from fsdp_compile import _layout as L
+
 from . import _common as C
 from ._common import tl, triton
 
@@ -76,9 +78,9 @@ def check(shards, dim0s: Sequence, world_size: int, rank: int) -> list:
     n = []
     for i, (s, d) in enumerate(zip(shards, dim0s)):
         shape = s.shape
-        rows = C.rank_rows(d, world_size, rank)
+        rows = L.rank_rows(d, world_size, rank)
         if shape[0] != rows:
-            c = C.padded_rows(d, world_size)
+            c = L.padded_rows(d, world_size)
             full = (d, *shape[1:])
             raise ValueError(
                 f"shards[{i}] has shape {tuple(shape)}, but full shape {full} over world_size={world_size} "
@@ -86,7 +88,7 @@ def check(shards, dim0s: Sequence, world_size: int, rank: int) -> list:
                 f"{(rows, *shape[1:])}: pass the local shard (DTensor.to_local()) of that parameter, "
                 f"unpadded, and this rank's rank"
             )
-        n.append(C.padded_rows(d, world_size) * C.inner_numel(shape))
+        n.append(L.padded_rows(d, world_size) * L.inner_numel(shape))
     return n
 
 
@@ -102,5 +104,5 @@ def run(shards, dim0s, world_size: int, rank: int, dtype=None, impl: str = "auto
         out = torch.empty(total, dtype=dtype, device=device)
     else:
         C.check_out(out, total, dtype, device)
-    (_triton if impl == "triton" else _torch)(shards, n, C.offsets(n), out)
+    (_triton if impl == "triton" else _torch)(shards, n, L.offsets(n), out)
     return out

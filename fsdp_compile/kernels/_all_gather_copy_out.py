@@ -16,6 +16,8 @@ from collections.abc import Sequence
 
 import torch
 
+from fsdp_compile import _layout as L
+
 from . import _common as C
 from ._common import tl, triton
 
@@ -74,7 +76,7 @@ def check(gathered, full_shapes, world_size: int) -> tuple[torch.Tensor, list[tu
     """Returns gathered as 1-D, the shapes and n_i; raises if its size does not match (full_shapes, world_size)."""
     shapes = C.check_full_shapes(full_shapes)
     C.check_world(world_size)
-    n = C.padded_numels(shapes, world_size)
+    n = L.padded_numels(shapes, world_size)
     flat = C.check_flat_input(gathered, "gathered", world_size * sum(n), f"world_size * sum(n_i) = {world_size} * {sum(n)}")
     return flat, shapes, n
 
@@ -89,15 +91,15 @@ def run(gathered, full_shapes, world_size: int, dtype=None, impl: str = "auto") 
     if impl == "triton":
         outs = [torch.empty(s, dtype=dtype, device=gathered.device) for s in shapes]
         if outs:
-            _triton(flat, n, C.offsets(n), outs, world_size)
+            _triton(flat, n, L.offsets(n), outs, world_size)
         return outs
     # torch: param i is allocated padded, [W * c_i, *S_i[1:]], as FSDP2 allocates its all-gather outputs:
     # the padding rows give one foreach copy a [W, n_i] destination per param. Then resize_ trims it to
     # S_i in place: the first d_i rows, contiguous, a plain tensor (not a view, so autograd and in-place
     # ops treat it as any fresh tensor), whose storage keeps the few padding rows and is shared with nothing.
-    padded = [torch.empty(world_size * C.padded_rows(s[0], world_size), *s[1:], dtype=dtype, device=gathered.device) for s in shapes]
+    padded = [torch.empty(world_size * L.padded_rows(s[0], world_size), *s[1:], dtype=dtype, device=gathered.device) for s in shapes]
     if padded and sum(n) > 0:
-        _torch(flat, n, C.offsets(n), padded, world_size)
+        _torch(flat, n, L.offsets(n), padded, world_size)
     for p, s in zip(padded, shapes):
         p.resize_(s)
     return padded

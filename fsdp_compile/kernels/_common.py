@@ -1,6 +1,7 @@
 """Shared pieces of the four copy kernels: FSDP2's padded layout, input checks, impl choice, Triton tables.
 
-The layout (FSDP2's, exactly; ``torch.chunk`` along dim 0 as ``fully_shard`` does)::
+The layout (FSDP2's, exactly; ``torch.chunk`` along dim 0 as ``fully_shard`` does; its arithmetic lives
+in ``fsdp_compile._layout``)::
 
     full parameter i: shape S_i, d_i = S_i[0] rows, inner_i = prod(S_i[1:]) (1 for a 1-D bias)
     c_i = ceil(d_i / W)                     padded rows per rank
@@ -30,10 +31,11 @@ from __future__ import annotations
 
 import collections
 import functools
-import math
 from collections.abc import Sequence
 
 import torch
+
+from fsdp_compile._layout import offsets
 
 try:  # Triton is optional: the package (and the torch paths) must import without it.
     import triton
@@ -55,39 +57,7 @@ LAUNCHES: collections.Counter[str] = collections.Counter()
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Layout math. Works on ints and SymInts (fake implementations run it on symbolic sizes).
-
-
-def padded_rows(d, world_size: int):
-    """c = ceil(d / W): rows every rank holds after padding (torch.chunk's chunk size)."""
-    return (d + world_size - 1) // world_size
-
-
-def rank_rows(d, world_size: int, rank: int):
-    """Unpadded rows of a d-row parameter on ``rank``: min(c, max(0, d - rank * c))."""
-    c = padded_rows(d, world_size)
-    if type(d) is int:  # fast path: torch.sym_min/max cost microseconds, and calls carry hundreds of params
-        return min(c, max(0, d - rank * c))
-    return torch.sym_min(c, torch.sym_max(0, d - rank * c))
-
-
-def inner_numel(shape: Sequence) -> int:
-    """prod(S[1:]): elements per row (1 for a 1-D parameter)."""
-    return math.prod(shape[1:])
-
-
-def padded_numels(full_shapes: Sequence[Sequence], world_size: int) -> list:
-    """n_i = ceil(d_i / W) * prod(S_i[1:]) for every parameter."""
-    return [padded_rows(s[0], world_size) * inner_numel(s) for s in full_shapes]
-
-
-def offsets(sizes: Sequence) -> list:
-    """Exclusive prefix sums: where each segment starts in the packed buffer."""
-    out, acc = [], 0
-    for s in sizes:
-        out.append(acc)
-        acc = acc + s
-    return out
+# The op schemas' shape lists. (FSDP2's layout math itself: ``fsdp_compile._layout``.)
 
 
 def flatten_shapes(full_shapes: Sequence[Sequence]) -> tuple[list, list[int]]:

@@ -15,6 +15,8 @@ from collections.abc import Sequence
 
 import torch
 
+from fsdp_compile import _layout as L
+
 from . import _common as C
 from ._common import tl, triton
 
@@ -71,7 +73,7 @@ def _torch(grads: Sequence[torch.Tensor], n: Sequence[int], offs: Sequence[int],
         d, n_i = g.shape[0], block.shape[1]
         if n_i == 0:
             continue
-        c = C.padded_rows(d, world_size)
+        c = L.padded_rows(d, world_size)
         q, r = divmod(d, c)  # q ranks hold c rows, then one rank holds r rows, the rest none
         if q:
             dsts.append(block[:q].view(q, c, *g.shape[1:]))
@@ -92,7 +94,7 @@ def check(grads, world_size: int) -> list[int]:
     """n_i for every gradient; raises on mixed dtypes/devices, 0-dim tensors or a bad world_size."""
     C.check_tensor_list(grads, "grads")
     C.check_world(world_size)
-    return C.padded_numels([g.shape for g in grads], world_size)
+    return L.padded_numels([g.shape for g in grads], world_size)
 
 
 def run(grads, world_size: int, dtype=None, impl: str = "auto", out=None) -> torch.Tensor:
@@ -107,5 +109,5 @@ def run(grads, world_size: int, dtype=None, impl: str = "auto", out=None) -> tor
         out = torch.empty(total, dtype=dtype, device=device)
     else:
         C.check_out(out, total, dtype, device)
-    (_triton if impl == "triton" else _torch)(grads, n, C.offsets(n), out, world_size)
+    (_triton if impl == "triton" else _torch)(grads, n, L.offsets(n), out, world_size)
     return out

@@ -13,6 +13,8 @@ from collections.abc import Sequence
 
 import torch
 
+from fsdp_compile import _layout as L
+
 from . import _common as C
 from ._common import tl, triton
 
@@ -59,9 +61,9 @@ def check(reduced, full_shapes, world_size: int, rank: int) -> tuple[torch.Tenso
     """Returns reduced as 1-D, the local shard shapes and n_i; raises if reduced's size does not match."""
     shapes = C.check_full_shapes(full_shapes)
     C.check_world(world_size, rank)
-    n = C.padded_numels(shapes, world_size)
+    n = L.padded_numels(shapes, world_size)
     flat = C.check_flat_input(reduced, "reduced", sum(n), "sum(n_i) for these full_shapes and world_size")
-    local = [(C.rank_rows(s[0], world_size, rank), *s[1:]) for s in shapes]
+    local = [(L.rank_rows(s[0], world_size, rank), *s[1:]) for s in shapes]
     return flat, local, n
 
 
@@ -74,5 +76,5 @@ def run(reduced, full_shapes, world_size: int, rank: int, dtype=None, impl: str 
     outs = [torch.empty(*s, dtype=dtype, device=reduced.device) for s in local]
     if outs:
         flat = flat if flat.is_contiguous() else flat.contiguous()
-        (_triton if impl == "triton" else _torch)(flat, n, C.offsets(n), outs)
+        (_triton if impl == "triton" else _torch)(flat, n, L.offsets(n), outs)
     return outs

@@ -1,27 +1,26 @@
-"""Compiler passes over AOTAutograd's partitioned forward and backward graphs.
+"""Every graph rewrite and estimate of fsdp_compile, one per file, each a function of graph + policy.
 
-They run on the graphs the backend's forward / backward compilers receive, after
-``capture.place_collectives`` (which puts every collective where FSDP2's hooks would issue it), and
-before ``make_boxed_func`` (``aot_eager``) or ``compile_fx_inner`` (Inductor)::
+On the joint graph (AOTAutograd's partition function, or Inductor's ``joint_custom_pre_pass``):
 
-    cm = cost_model_for(config.hardware, gm.graph)
-    budget = (int(config.memory_budget_gb * 1e9) if config.memory_budget_gb is not None
-              else default_memory_budget(gm.graph))      # eager FSDP2's predicted peak; before any rewrite
-    buckets = plan_buckets(gm.graph, config.bucket, bucket_cap_mb=config.bucket_cap_mb,
-                           memory_budget_bytes=budget, cost_model=cm,
-                           known_groups=[g.fqn for g in plan.groups])
-    apply_buckets(gm, buckets)                     # edits and recompiles gm
-    if config.reorder:
-        reorder(gm, cm, memory_budget_bytes=budget)   # prefetch all-gathers, sink reduce-scatter waits
-    schedule = simulate(gm, cm)                    # Report.est_step_ms / est_exposed_comm_ms
-    peak, _ = peak_memory(gm)                      # Report.est_peak_bytes
+* ``recompute.tag_unshard_recompute(graph, reshard)``: ``reshard_after_forward=True`` groups re-gather in backward.
 
-(Pass the same ``budget`` to both: each pass defaults to the peak of the graph *it* receives.)
+On each partitioned forward / backward graph, in this order (``pipeline.run_passes``, which the backend calls)::
+
+    place_collectives(graph)                       # placement.py: where FSDP2's hooks issue them
+    cm = cost_model_for(config.hardware, graph)    # cost_model.py
+    budget = default_memory_budget(graph)          # memory.py: eager FSDP2's predicted peak (or the config's)
+    buckets = plan_buckets(graph, config.bucket, bucket_cap_mb=..., memory_budget_bytes=budget, cost_model=cm)
+    apply_buckets(graph, buckets)                  # bucketing.py (the rewrite itself: _bucket_rewrite.py)
+    reorder(graph, cm, memory_budget_bytes=budget) # reordering.py: prefetch all-gathers, sink waits -> Moves
+    pin_collective_order(gm)                       # pin_order.py: Inductor only, when something moved
+    simulate(graph, cm); peak_memory(graph)        # simulate.py, memory.py: the report's estimates
 
 Every decision is a function of the graph and the configuration (never of local timing), so all ranks
-rewrite their identical graphs identically and issue the same collectives in the same order.
+rewrite their identical graphs identically and issue the same collectives in the same order. The passes
+read graphs and the annotation of ``fsdp_compile._annotations`` only: no module here imports ``ops``,
+``capture``, ``backend``, ``debug`` or ``_api``.
 
-Entry points:
+Entry points re-exported here:
 
 * ``plan_buckets(graph, policy="auto", *, kinds=("all_gather", "reduce_scatter"), bucket_cap_mb=None,
   memory_budget_bytes=None, cost_model="auto", known_groups=None) -> list[list[fx.Node]]`` and
@@ -34,13 +33,14 @@ Entry points:
 * ``CostModel(profile)``, ``cost_model_for(hardware, graph)``, ``HardwareProfile``, ``LinkProfile``,
   ``PROFILES`` (``h100-nvlink``, ``h100-ib``, ``cpu-gloo``), ``get_profile``, ``resolve_hardware``.
 * ``reorder(gm, cost_model="auto", *, memory_budget_bytes=None, prefetch=True, sink_waits=True)
-  -> ReorderResult``: prefetch all-gathers and sink reduce-scatter waits, keeping each move only if the
-  simulated step gets faster and the predicted peak stays within the budget (default: the input's peak).
-* ``predicates``: the node predicates every pass shares (``is_all_gather``, ``wait_of``, ``fsdp_group``, ...).
+  -> ReorderResult``: its ``moves`` are ``Move`` records (kind, node, anchor, was, predicted step and peak).
+* ``place_collectives``, ``tag_unshard_recompute``, ``pin_collective_order``, ``run_passes``.
+* ``predicates``: the node predicates every pass shares (``is_all_gather``, ``wait_of``, ``fsdp_group``,
+  ``is_view``, ``is_fixed``, ...).
 """
 
 from fsdp_compile.passes import predicates
-from fsdp_compile.passes.bucketing import apply_buckets, bucket_groups, default_memory_budget, plan_buckets
+from fsdp_compile.passes.bucketing import apply_buckets, bucket_groups, plan_buckets
 from fsdp_compile.passes.cost_model import (
     PROFILES,
     CostModel,
@@ -50,8 +50,12 @@ from fsdp_compile.passes.cost_model import (
     get_profile,
     resolve_hardware,
 )
-from fsdp_compile.passes.memory import memory_timeline, peak_memory
-from fsdp_compile.passes.reordering import ReorderResult, reorder
+from fsdp_compile.passes.memory import default_memory_budget, memory_timeline, peak_memory
+from fsdp_compile.passes.pin_order import pin_collective_order
+from fsdp_compile.passes.pipeline import PassRecord, run_passes
+from fsdp_compile.passes.placement import place_collectives
+from fsdp_compile.passes.recompute import tag_unshard_recompute
+from fsdp_compile.passes.reordering import Move, ReorderResult, reorder
 from fsdp_compile.passes.simulate import CollectiveTiming, Schedule, simulate
 
 __all__ = [
@@ -60,6 +64,8 @@ __all__ = [
     "CostModel",
     "HardwareProfile",
     "LinkProfile",
+    "Move",
+    "PassRecord",
     "ReorderResult",
     "Schedule",
     "apply_buckets",
@@ -69,9 +75,13 @@ __all__ = [
     "get_profile",
     "memory_timeline",
     "peak_memory",
+    "pin_collective_order",
+    "place_collectives",
     "plan_buckets",
     "predicates",
     "reorder",
     "resolve_hardware",
+    "run_passes",
     "simulate",
+    "tag_unshard_recompute",
 ]

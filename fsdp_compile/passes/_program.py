@@ -55,8 +55,6 @@ def _nbytes(t: torch.Tensor) -> int:
 
 def storage_keys(graph: fx.Graph) -> tuple[dict[fx.Node, list], dict[object, int]]:
     """Storage keys per node (aliases share keys) and bytes per key; see ``memory``'s docstring."""
-    from fsdp_compile.passes.cost_model import is_view
-
     keys: dict[fx.Node, list] = {}
     nbytes: dict[object, int] = {}
     alias: dict[object, object] = {}  # a wait's fake storage -> its collective's
@@ -78,7 +76,7 @@ def storage_keys(graph: fx.Graph) -> tuple[dict[fx.Node, list], dict[object, int
                     if k not in ks:
                         ks.append(k)
                     nbytes.setdefault(k, _nbytes(t))
-            elif "val" not in n.meta and is_view(n) and n.all_input_nodes:
+            elif "val" not in n.meta and P.is_view(n) and n.all_input_nodes:
                 ks = list(keys.get(n.all_input_nodes[0], []))
             else:
                 ks = []

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 
 import torch
 import torch.fx as fx
@@ -187,28 +188,6 @@ def graph_world_size(graph: fx.Graph) -> int:
 
 # --- FLOPs ----------------------------------------------------------------------------------------
 
-_VIEW_PACKETS = {
-    getattr(aten, name)
-    for name in (
-        "view", "_unsafe_view", "_reshape_alias", "as_strided", "slice", "select", "t", "transpose",
-        "permute", "expand", "unsqueeze", "squeeze", "alias", "detach", "split", "split_with_sizes",
-        "chunk", "unbind", "diagonal", "narrow", "unfold", "view_as_real", "view_as_complex", "lift_fresh",
-    )
-    if hasattr(aten, name)
-}
-
-
-def is_view(node: fx.Node) -> bool:
-    """Nodes that move no data: ATen views / aliases, tuple indexing, ``wait_tensor`` (returns its input)."""
-    if node.op != "call_function":
-        return node.op in ("placeholder", "output", "get_attr")
-    import operator
-
-    if node.target is operator.getitem or P.is_wait(node):
-        return True
-    packet = getattr(node.target, "overloadpacket", None)
-    return packet in _VIEW_PACKETS
-
 
 def _val(a):
     return a.meta.get("val") if isinstance(a, fx.Node) else None
@@ -337,9 +316,7 @@ class CostModel:
         """Roofline time of a non-collective node on the compute stream (0 for views and graph I/O)."""
         if node.op != "call_function":
             return 0.0
-        if is_view(node):
-            import operator
-
+        if P.is_view(node):
             return 0.0 if node.target is operator.getitem else self.profile.view_overhead
         tensors = P.val_tensors(node.meta.get("val"))
         if not tensors and not any(P.val_tensors(a.meta.get("val")) for a in node.all_input_nodes):

@@ -1,7 +1,7 @@
 """Node predicates shared by every pass: which FX nodes are collectives, waits, FSDP copy-in/copy-out.
 
 The graphs our passes see are AOTAutograd's partitioned forward and backward graphs, after
-``capture.place_collectives``. ``ops.unshard`` decomposes into plain functional collectives::
+``placement.place_collectives``. ``ops.unshard`` decomposes into plain functional collectives::
 
     copy-in (views, convert_element_type, constant_pad_nd, cat | clone)          forward / recomputed
       -> _c10d_functional.all_gather_into_tensor(flat, W, group_name) -> wait_tensor
@@ -10,9 +10,9 @@ The graphs our passes see are AOTAutograd's partitioned forward and backward gra
       -> _c10d_functional.reduce_scatter_tensor(packed, "avg" | "sum", W, group_name) -> wait_tensor
       -> unpack (slice, view, convert_element_type per parameter)
 
-Every node of both chains carries ``node.meta["custom"]["fsdp_compile"] == {"kind": "unshard", "group": fqn}``
-(the backward chain inherits the forward op's annotation); the bucketing pass adds ``"bucket": (fqn, ...)``
-to the nodes it creates. Which collective a node is comes from its target, never from the annotation.
+Every node of both chains carries the annotation of ``fsdp_compile._annotations`` (``fsdp_meta``); which
+collective a node is comes from its target, never from the annotation. This module and that leaf are all
+the passes know of the capture: no pass imports ``ops``, ``capture``, ``backend``, ``debug`` or ``_api``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from collections.abc import Iterable
 import torch
 import torch.fx as fx
 
-from fsdp_compile.ops import META_KEY
+# the annotation's readers, public here for every pass
+from fsdp_compile._annotations import fsdp_group, fsdp_groups, fsdp_meta, gradient_dependent  # noqa: F401
 
 _c10d = torch.ops._c10d_functional
 
@@ -223,27 +224,6 @@ def collective_dtype(node: fx.Node) -> torch.dtype | None:
 # --- FSDP annotation ------------------------------------------------------------------------------
 
 
-def fsdp_meta(node: fx.Node) -> dict | None:
-    return (node.meta.get("custom") or {}).get(META_KEY)
-
-
-def fsdp_group(node: fx.Node) -> str | None:
-    """The FSDP module FQN (``""`` for the root) whose unshard / reduce-scatter chain holds ``node``.
-
-    For nodes the bucketing pass created this is the bucket's first group; ``fsdp_groups`` has all.
-    """
-    meta = fsdp_meta(node)
-    return None if meta is None else meta.get("group")
-
-
-def fsdp_groups(node: fx.Node) -> tuple[str, ...]:
-    """All FSDP groups a node serves: one for the capture's nodes, every member for a bucket's nodes."""
-    meta = fsdp_meta(node)
-    if meta is None:
-        return ()
-    return tuple(meta.get("bucket") or (meta["group"],))
-
-
 def is_fsdp_collective(node: fx.Node) -> bool:
     return is_collective(node) and fsdp_meta(node) is not None
 
@@ -291,13 +271,27 @@ def collectives(graph: fx.Graph, kind: str | None = None) -> list[fx.Node]:
     return [n for n in graph.nodes if is_collective(n) and (kind is None or collective_kind(n) == kind)]
 
 
-def depends_on_tangents(graph: fx.Graph) -> set[fx.Node]:
-    """Nodes computed from ``tangents_*`` placeholders: in a backward graph, everything gradient-side.
+def is_view(node: fx.Node) -> bool:
+    """Nodes that move no data: ATen views / aliases, tuple indexing, ``wait_tensor`` (returns its input)."""
+    if node.op != "call_function":
+        return node.op in ("placeholder", "output", "get_attr")
+    if node.target is operator.getitem or is_wait(node):
+        return True
+    return getattr(node.target, "overloadpacket", None) in _VIEW_PACKETS
 
-    An all-gather outside this set in a backward graph is a recomputed (``reshard_after_forward``) one.
-    """
-    out: set[fx.Node] = set()
-    for n in graph.nodes:
-        if (n.op == "placeholder" and n.name.startswith("tangents")) or any(a in out for a in n.all_input_nodes):
-            out.add(n)
-    return out
+
+_VIEW_PACKETS = {
+    getattr(torch.ops.aten, name)
+    for name in (
+        "view", "_unsafe_view", "_reshape_alias", "as_strided", "slice", "select", "t", "transpose",
+        "permute", "expand", "unsqueeze", "squeeze", "alias", "detach", "split", "split_with_sizes",
+        "chunk", "unbind", "diagonal", "narrow", "unfold", "view_as_real", "view_as_complex", "lift_fresh",
+    )
+    if hasattr(torch.ops.aten, name)
+}
+
+
+def is_fixed(node: fx.Node) -> bool:
+    """A node the scheduling passes never carry along when they move a collective's chain: another
+    collective or wait (that would reorder collectives), a graph input or output, or a side effect."""
+    return is_collective(node) or is_wait(node) or node.op != "call_function" or node.is_impure()

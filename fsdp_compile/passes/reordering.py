@@ -1,7 +1,7 @@
 """Reordering: prefetch all-gathers and sink reduce-scatter waits, within a memory budget.
 
 The capture issues every collective where FSDP2's hooks would and waits for it at once (see
-``capture.place_collectives``), so no communication overlaps compute. This pass, run after bucketing:
+``placement.place_collectives``), so no communication overlaps compute. This pass, run after bucketing:
 
 1. **prefetches all-gathers**: each all-gather (with the copy-in nodes that feed it) moves up past the
    compute before it, as early as the memory budget allows, but never above the previous all-gather:
@@ -31,9 +31,22 @@ from fsdp_compile.passes import predicates as P
 from fsdp_compile.passes.cost_model import CostModel, HardwareProfile, cost_model_for
 
 
+@dataclasses.dataclass(frozen=True)
+class Move:
+    """One kept move: plain data (the report renders it)."""
+
+    kind: str  # "prefetch" (an all-gather and its copy-in issued earlier) | "sink_wait" (a wait and its readers later)
+    node: str  # the collective (prefetch) or wait (sink_wait) whose chain moved
+    anchor: str  # the chain now sits right before this node (prefetch) or right after it (sink_wait)
+    was: str  # ... and used to sit right before (prefetch) / after (sink_wait) this one
+    step_before: float  # simulated step, seconds: why the move was kept (it got faster ...)
+    step_after: float
+    peak_after: int  # ... and the predicted peak stayed within the budget (bytes)
+
+
 @dataclasses.dataclass
 class ReorderResult:
-    moves: list[str]  # one line per kept move, e.g. "all_gather_into_tensor_2: issued before mm_3 (was before mm_9)"
+    moves: list[Move]
     step_before: float  # simulated seconds
     step_after: float
     peak_before: int  # bytes, memory.peak_memory
@@ -56,17 +69,13 @@ def _move(ops: list[_program.Op], names: list[str], before: str | None, after: s
     return out
 
 
-def _stop(n: fx.Node) -> bool:
-    return P.is_collective(n) or P.is_wait(n) or n.op != "call_function" or n.is_impure()
-
-
 class _Reorderer:
     def __init__(self, graph: fx.Graph, cm: CostModel, budget: int | None):
         self.graph, self.cm = graph, cm
         self.ops = _program.lower(self.graph, cm)
         self.step, self.peak = self.evaluate(self.ops)
         self.budget = self.peak if budget is None else budget
-        self.moves: list[str] = []
+        self.moves: list[Move] = []
 
     def evaluate(self, ops) -> tuple[float, int]:
         return _program.run(ops, self.cm.profile.op_overhead)[0], max(_program.timeline(ops), default=0)
@@ -74,7 +83,7 @@ class _Reorderer:
     def positions(self) -> dict[fx.Node, int]:
         return {n: i for i, n in enumerate(self.graph.nodes)}
 
-    def try_moves(self, candidates: list[tuple[list[fx.Node], fx.Node | None, fx.Node | None]], what: str) -> bool:
+    def try_moves(self, candidates: list[tuple[list[fx.Node], fx.Node | None, fx.Node | None]], kind: str) -> bool:
         """Apply the most aggressive candidate move (nodes, before, after) within the budget, if it is faster.
 
         ``candidates`` run from the most to the least aggressive; a binary search finds the first one within
@@ -102,7 +111,7 @@ class _Reorderer:
         if not step < self.step:
             return False
         nodes, before, after = candidates[lo]
-        old = nodes[-1].next if what == "issued" else nodes[0].prev
+        old = nodes[-1].next if kind == "prefetch" else nodes[0].prev
         if before is not None:
             for n in nodes:
                 before.prepend(n)
@@ -111,11 +120,10 @@ class _Reorderer:
             for n in nodes:
                 anchor.append(n)
                 anchor = n
+        lead = nodes[-1] if kind == "prefetch" else nodes[0]
+        anchor = before if before is not None else after
+        self.moves.append(Move(kind, lead.name, anchor.name, old.name, self.step, step, peak))
         self.ops, self.step, self.peak = ops, step, peak
-        if before is not None:
-            self.moves.append(f"{nodes[-1].name}: {what} before {before.name} (was before {old.name})")
-        else:
-            self.moves.append(f"{nodes[0].name}: {what} after {after.name} (was after {old.name})")
         return True
 
     def prefetch_all_gathers(self) -> None:
@@ -132,7 +140,7 @@ class _Reorderer:
             candidates = []  # earliest first
             for p in range(lowest, first):
                 candidates.append(([n for n in chain if pos[n] >= p], nodes[p], None))
-            self.try_moves(candidates, "issued")
+            self.try_moves(candidates, "prefetch")
 
     def sink_reduce_scatter_waits(self) -> None:
         rss = P.collectives(self.graph, "reduce_scatter")
@@ -152,7 +160,7 @@ class _Reorderer:
             for p in range(highest, pos[wait], -1):
                 if nodes[p] not in members:
                     candidates.append(([n for n in chain if pos[n] <= p], None, nodes[p]))
-            self.try_moves(candidates, "waited")
+            self.try_moves(candidates, "sink_wait")
 
     def _closure(self, start: fx.Node, step, inside) -> tuple[list[fx.Node], list[fx.Node]]:
         """Nodes reachable from ``start`` through ``step`` while ``inside``: (movable ones in order, walls)."""
@@ -163,7 +171,7 @@ class _Reorderer:
             if n in seen or not inside(n):
                 continue
             seen.add(n)
-            if n is not start and _stop(n):
+            if n is not start and P.is_fixed(n):
                 wall.append(n)
                 continue
             chain.append(n)

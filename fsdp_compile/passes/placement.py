@@ -1,0 +1,45 @@
+"""Placement: every collective where FSDP2's hooks issue it, the starting point of every later pass.
+
+AOTAutograd leaves the all-gathers where the joint graph had them: the forward's at each group's
+``unshard`` call, and the ones recomputed for ``reshard_after_forward`` all at the top of the backward,
+which would hold every group's full parameters at once. And since the capture issues all unshards
+before any compute, autograd's sequence-number priority runs their backward, the reduce-scatters, after
+all compute: every unsharded gradient would live to the end. So each unshard-chain node sinks to just
+before its first user (last node first), which is where FSDP2's pre-forward / pre-backward hook issues
+the all-gather, and each reduce-scatter-chain node rises to just after its last input (first node
+first), where its post-backward hook issues the reduce-scatter.
+
+A pure function of the graph, so every rank makes the same moves and the collectives keep one order on
+all ranks.
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+from fsdp_compile._annotations import chains
+
+
+def place_collectives(graph: fx.Graph) -> int:
+    """Move the FSDP chains in place (see the module docstring); returns how many nodes moved."""
+    unshard, reduce = chains(graph)
+    moved = 0
+    for node in reversed(list(graph.nodes)):
+        if node in unshard and node.users:
+            first = min(node.users, key=_position(graph))
+            if first.prev is not node:
+                first.prepend(node)
+                moved += 1
+    for node in list(graph.nodes):
+        if node in reduce:
+            last = max(node.all_input_nodes, key=_position(graph), default=None)
+            if last is not None and last.next is not node:
+                last.append(node)
+                moved += 1
+    graph.lint()
+    return moved
+
+
+def _position(graph: fx.Graph):
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    return order.__getitem__
