@@ -3,13 +3,16 @@ the fake process group at world sizes 8 to 1024, scored by fsdp_compile's cost m
 
     python bench/scale_sim.py [--sizes llama3-8b llama3-70b] [--world-sizes 8 16 64 256 1024] [--quick]
 
-For every (model, world size, hardware profile) the forward and backward graphs are captured once, as
-``fsdp_compile.compile`` would hand them to Inductor, with every collective where eager FSDP2 issues it.
-Then three schedules of those same graphs are scored by the same simulator:
+For every (model, world size, hardware profile) the forward and backward graphs are captured as
+``fsdp_compile.compile`` would hand them to Inductor, and four schedules are scored by the same simulator:
   eager-equivalent   bucket="fsdp_group", no reordering (one collective per FSDP module, issued just in time)
-  fc auto+reorder    fsdp_compile's cost-model bucketing and reordering (the default)
+  eager FSDP2        the same graphs with eager FSDP2's own schedule applied: the next module prefetched in
+                     backward, one reduce-scatter pending (passes.schedule.eager_fsdp2)
+  fc default         fsdp_compile's default schedule (bucket="auto", reorder=True), planned for the
+                     agreed tokens per step, applied to its own capture
   torch 2.13 passes  torch._inductor.fx_passes.bucketing.bucket_all_gather / bucket_reduce_scatter with
-                     their defaults (greedy adjacent merging under a 2000 MB cap), no reordering
+                     their defaults (greedy adjacent merging under a 2000 MB cap) on the eager-equivalent
+                     graphs, no reordering
 Model assumptions, printed with the results: one compute stream and one stream per process group;
 compute time = FLOPs / (0.7 x dense peak) for matmul-like ops, bytes / (0.85 x HBM bandwidth) for the
 rest; collectives by an alpha-beta ring model (h100-nvlink: 360 GB/s bus bandwidth inside a node;
@@ -37,13 +40,15 @@ import _harness as H  # noqa: E402
 import fsdp_compile as fc  # noqa: E402
 from fsdp_compile import passes  # noqa: E402
 from fsdp_compile.debug import explain_graphs  # noqa: E402
+from fsdp_compile.passes.schedule import eager_fsdp2  # noqa: E402
+from fsdp_compile.plan import read_plan  # noqa: E402
 from fsdp_compile.models import SIZES, Llama, llama_blocks  # noqa: E402
 
-VARIANTS = ("eager-equivalent", "fc auto+reorder", "torch 2.13 passes")
+VARIANTS = ("eager-equivalent", "eager FSDP2", "fc default", "torch 2.13 passes")
 
 
-def capture(size: str, world: int, seq: int):
-    """Forward and backward graphs of one training step, collectives where eager FSDP2 issues them."""
+def capture(size: str, world: int, seq: int, hardware: str, **config):
+    """Forward and backward graphs of one training step (after our passes), and the schedule applied."""
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
         with torch.device("meta"):
@@ -53,14 +58,13 @@ def capture(size: str, world: int, seq: int):
             fully_shard(block, mp_policy=mp)
         fully_shard(model, mp_policy=mp)
         tokens = torch.randint(0, 128, (1, seq), device="meta")
-        config = fc.CompileConfig(backend="inductor", bucket="fsdp_group", reorder=False, hardware="h100-ib")
-        _, captured = explain_graphs(model, tokens, config=config)
-        return captured.forward[0], captured.backward[0]
+        report, captured = explain_graphs(model, tokens, config=fc.CompileConfig(backend="inductor", hardware=hardware, **config))
+        return [captured.forward[0], captured.backward[0]], report, passes.modules_of(read_plan(model))
     finally:
         dist.destroy_process_group()
 
 
-def score(graphs, hardware: str, variant: str, world: int) -> dict:
+def score(graphs, hardware: str, variant: str, world: int, schedule=None) -> dict:
     out = {"step_ms": 0.0, "exposed_comm_ms": 0.0, "peak_bytes": 0, "all_gathers": 0, "reduce_scatters": 0}
     # the torch passes resolve process groups by name: score them under a fake group of the same size
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
@@ -68,11 +72,8 @@ def score(graphs, hardware: str, variant: str, world: int) -> dict:
         for gm in graphs:
             gm = copy.deepcopy(gm)
             cost = passes.cost_model_for(hardware, gm.graph)
-            budget = passes.default_memory_budget(gm.graph)
-            if variant == "fc auto+reorder":
-                plan = passes.plan_buckets(gm.graph, "auto", memory_budget_bytes=budget, cost_model=cost)
-                passes.apply_buckets(gm.graph, plan)
-                passes.reorder(gm.graph, cost, memory_budget_bytes=budget)
+            if variant == "eager FSDP2":
+                passes.apply_schedule(gm.graph, schedule)
             elif variant == "torch 2.13 passes":
                 from torch._inductor.fx_passes.bucketing import bucket_all_gather, bucket_reduce_scatter
 
@@ -104,26 +105,38 @@ def main():
     t0 = time.monotonic()
     for size in args.sizes:
         for world in args.world_sizes:
-            graphs = capture(size, world, args.seq)
             profiles = ["h100-nvlink", "h100-ib"] if world <= 8 else ["h100-ib"]
             for hardware in profiles:
+                placed, _, modules = capture(size, world, args.seq, hardware, bucket="fsdp_group", reorder=False)
+                ours, report, _ = capture(size, world, args.seq, hardware)
+                plan = report.schedule
+                eager = passes.Schedule(
+                    units=tuple(eager_fsdp2(modules)), policy="eager FSDP2", workload=plan["workload"],
+                    hardware=hardware, comm_budget_bytes=0, predicted={}, planning_s=0.0,
+                )
                 for variant in VARIANTS:
+                    graphs = ours if variant == "fc default" else placed
                     try:
-                        r = score(graphs, hardware, variant, world)
+                        r = score(graphs, hardware, variant, world, eager)
                     except Exception as e:  # noqa: BLE001 - a pass that fails is a result, reported as such
                         r = {"error": f"{type(e).__name__}: {e}"[:300]}
+                    if variant == "fc default":
+                        r["planning_ms"] = report.planning_ms
+                        r["units"] = len(plan["units"])
                     rows.append({"model": size, "world_size": world, "hardware": hardware, "variant": variant, **r})
                     sys.stderr.write(f"[{time.monotonic() - t0:6.0f}s] {size} W={world} {hardware} {variant}: "
                                      f"{r.get('step_ms', float('nan')):.1f} ms, exposed {r.get('exposed_pct', float('nan')):.1f}%\n")
     print(__doc__.split("Model assumptions")[1].split("Writes")[0].strip().replace("\n", " "))
-    print("\n| model | W | hardware | variant | step ms | exposed comm ms (% of step) | peak GiB/rank | AG/RS |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| model | W | hardware | variant | step ms | exposed comm ms (% of step) | peak GiB/rank | AG/RS | planning ms |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['model']} | {r['world_size']} | {r['hardware']} | {r['variant']} | failed: {r['error'][:80]} | | | |")
+            print(f"| {r['model']} | {r['world_size']} | {r['hardware']} | {r['variant']} | failed: {r['error'][:80]} | | | | |")
             continue
+        planning = f"{r['planning_ms']:.0f}" if "planning_ms" in r else "-"
         print(f"| {r['model']} | {r['world_size']} | {r['hardware']} | {r['variant']} | {r['step_ms']:.1f} | "
-              f"{r['exposed_comm_ms']:.2f} ({r['exposed_pct']:.1f}%) | {r['peak_bytes'] / 2**30:.2f} | {r['all_gathers']}/{r['reduce_scatters']} |")
+              f"{r['exposed_comm_ms']:.2f} ({r['exposed_pct']:.1f}%) | {r['peak_bytes'] / 2**30:.2f} | "
+              f"{r['all_gathers']}/{r['reduce_scatters']} | {planning} |")
     H.write_json(os.path.join(args.out, "scale_sim.json"), {"machine": H.machine(), "config": vars(args), "rows": rows})
     _plot(rows, os.path.join(args.out, "scale_sim.png"))
     print(f"wrote {args.out}/scale_sim.json and .png")
@@ -138,7 +151,7 @@ def _plot(rows, path):
     models = sorted({r["model"] for r in rows})
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
     for ax, model in zip(axes[0], models):
-        for variant, style in zip(VARIANTS, ("o-", "s-", "^--")):
+        for variant, style in zip(VARIANTS, ("o-", "v-", "s-", "^--")):
             pts = sorted((r["world_size"], r["exposed_pct"]) for r in rows
                          if r["model"] == model and r["variant"] == variant and r["hardware"] == "h100-ib" and "error" not in r)
             if pts:

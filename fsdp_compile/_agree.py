@@ -73,3 +73,14 @@ def check_same(what: str, items: list[tuple[str, object]], group, device: torch.
     raise ValueError(
         f"rank {dist.get_global_rank(group, 0)} and rank {dist.get_global_rank(group, other)} disagree on {what}; {fix}"
     )
+
+
+def agree_max(value: int, groups, device: torch.device) -> int:
+    """The maximum of ``value`` over the ranks of every process group in ``groups`` (one after the other,
+    so over a 2-D mesh given its row and column groups, the maximum over the mesh)."""
+    if device.type == "meta":
+        device = torch.device("cpu")
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    for group in groups:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return int(t.item())

@@ -3,9 +3,11 @@
 Every node of an unshard chain (copy-in, all-gather, wait, copy-out) and of a gradient reduce-scatter
 chain (pack, reduce-scatter, wait, unpack) carries ``node.meta["custom"]["fsdp_compile"]``::
 
-    {"kind": "unshard" | "reduce_scatter", "group": <FSDP module FQN, "" for the root>}
+    {"kind": "unshard" | "reduce_scatter",
+     "group": <the first FSDP module FQN, "" for the root>, "bucket": (<every FSDP module FQN>, ...),
+     "unit": <the index of the schedule's unit: one all-gather and one reduce-scatter>}
 
-and the bucketing pass adds ``"bucket": (fqn, ...)`` to the nodes it creates. AOTAutograd copies a
+AOTAutograd copies a
 forward op's annotation onto the backward nodes it derives, so a reduce-scatter chain may carry
 ``"kind": "unshard"``: whether a node is gradient-side is decided by the graph (``gradient_dependent``),
 never by the kind alone. A leaf module: ``ops`` writes the annotation, ``passes`` read it, and neither
@@ -22,21 +24,14 @@ UNSHARD = "unshard"
 REDUCE_SCATTER = "reduce_scatter"
 
 
-def annotate(kind: str, group: str):
-    """Context manager: nodes traced inside it carry ``{"kind": kind, "group": group}``."""
-    return fx_traceback.annotate({KEY: {"kind": kind, "group": group}})
+def annotate(kind: str, groups: tuple[str, ...], unit: int = -1):
+    """Context manager: nodes traced inside it serve the FSDP modules ``groups`` as schedule unit ``unit``."""
+    return fx_traceback.annotate({KEY: {"kind": kind, "group": groups[0], "bucket": tuple(groups), "unit": unit}})
 
 
 def fsdp_meta(node: fx.Node) -> dict | None:
     """The node's annotation, or None for nodes our ops did not produce."""
     return (node.meta.get("custom") or {}).get(KEY)
-
-
-def set_fsdp_meta(meta: dict, kind: str, groups: list[str]) -> None:
-    """Annotate a new node's ``meta`` as serving the FSDP modules ``groups`` (a bucket when several)."""
-    custom = dict(meta.get("custom") or {})
-    custom[KEY] = {"kind": kind, "group": groups[0] if groups else None, "bucket": tuple(groups)}
-    meta["custom"] = custom
 
 
 def fsdp_group(node: fx.Node) -> str | None:
@@ -51,6 +46,12 @@ def fsdp_groups(node: fx.Node) -> tuple[str, ...]:
     if meta is None:
         return ()
     return tuple(meta.get("bucket") or (meta["group"],))
+
+
+def fsdp_unit(node: fx.Node) -> int | None:
+    """The schedule unit whose chain holds ``node`` (None for nodes our ops did not produce)."""
+    meta = fsdp_meta(node)
+    return None if meta is None else meta.get("unit", -1)
 
 
 def gradient_dependent(graph: fx.Graph) -> set[fx.Node]:

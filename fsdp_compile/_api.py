@@ -13,9 +13,14 @@ import torch.nn as nn
 from torch.distributed.fsdp import fully_shard as _torch_fully_shard
 from torch.utils._pytree import tree_flatten
 
+import torch.distributed as dist
+
 from fsdp_compile import capture
+from fsdp_compile._agree import agree_max
 from fsdp_compile.backend import CapturedGraphs, make_backend
 from fsdp_compile.config import CompileConfig
+from fsdp_compile.passes.cost_model import CostModel, resolve_hardware
+from fsdp_compile.passes.schedule import Schedule, modules_of, plan_schedule
 from fsdp_compile.plan import ShardingPlan, check_ranks_agree, read_plan
 from fsdp_compile.report import Bucket, Report, count_collectives
 
@@ -51,23 +56,47 @@ class CompiledFSDPModule(nn.Module):
         self.plan = plan
         self.config = config
         self.captured = CapturedGraphs()
-        by_name = dict(model.named_parameters())
-        self._group_params = [[by_name[p.fqn] for p in g.params] for g in plan.groups]
         self.kernels = _resolve_kernels(config.kernels, plan)
-        step = _make_step(model, plan, self.kernels, config.bucket == "none")
-        step = _unique_code(step, f"fsdp_compile_step_{next(_instances)}")
-        self._compiled = torch.compile(
-            step, backend=make_backend(config, plan, self.captured, codegen=codegen), fullgraph=True
-        )
+        self.cost_model = CostModel(resolve_hardware(
+            config.hardware, device_type=plan.device.type, world_size=max(g.world_size for g in plan.groups)
+        ))
+        self.schedule: Schedule | None = None  # planned at the first call (it needs the agreed workload)
+        self._codegen = codegen
+        self._compiled = None
+        self._unit_params: list[list[nn.Parameter]] = []
 
     def forward(self, *args, **kwargs):
+        if self._compiled is None:
+            self._plan_and_compile(args, kwargs)
         # The local shards are taken eagerly, outside the graph: DTensor.to_local() is differentiable, so
         # autograd carries each shard gradient back to its DTensor parameter's .grad, while the graph
         # sees plain tensors only (no DTensor desugaring, no DeviceMesh among the saved values, which
         # AOTAutograd's activation-checkpointing path cannot save).
-        shards = [[p.to_local() for p in group] for group in self._group_params]
+        shards = [[p.to_local() for p in unit] for unit in self._unit_params]
         with capture.active():
             return self._compiled(shards, *args, **kwargs)
+
+    def _plan_and_compile(self, args, kwargs) -> None:
+        """The first call, on every rank together: agree on the workload, plan the communication schedule
+        (the same on every rank: ``passes/schedule.py``), then build the compiled step. Later calls, and
+        every recompile (new shapes, eval mode), reuse both: no rank ever plans, or talks to the others,
+        on its own."""
+        workload = agreed_workload(self.plan, args, kwargs)
+        cfg = self.config
+        self.schedule = plan_schedule(
+            modules_of(self.plan), policy=cfg.bucket if isinstance(cfg.bucket, str) else [list(b) for b in cfg.bucket],
+            reorder=cfg.reorder, cost_model=self.cost_model, workload=workload,
+            bucket_cap_bytes=None if cfg.bucket_cap_mb is None else int(cfg.bucket_cap_mb * 2**20),
+            memory_budget_bytes=None if cfg.memory_budget_gb is None else int(cfg.memory_budget_gb * 2**30),
+        )
+        by_name = dict(self._orig_mod.named_parameters())
+        self._unit_params = [
+            [by_name[p.fqn] for p in capture.unit_params(self.plan, u)] for u in self.schedule.units
+        ]
+        step = _make_step(self._orig_mod, self.plan, self.schedule, self.kernels)
+        step = _unique_code(step, f"fsdp_compile_step_{next(_instances)}")
+        backend = make_backend(cfg, self.plan, self.schedule, self.cost_model, self.captured, codegen=self._codegen)
+        self._compiled = torch.compile(step, backend=backend, fullgraph=True)
 
     # The original model's state, unprefixed.
     def named_parameters(self, *args, **kwargs):
@@ -95,11 +124,34 @@ class CompiledFSDPModule(nn.Module):
             return getattr(self._orig_mod, name)
 
 
-def _make_step(model, plan, kernels, per_param):
+def _make_step(model, plan, schedule, kernels):
     def step(shards, *args, **kwargs):
-        return capture.traced_forward(model, plan, kernels, per_param, shards, args, kwargs)
+        return capture.traced_forward(model, plan, schedule, kernels, shards, args, kwargs)
 
     return step
+
+
+def workload_of(args, kwargs) -> int:
+    """Tokens per step, as the schedule's cost model counts them: the largest input, counting every
+    element of an integer tensor (token ids) and every row of a floating one (features in the last dim)."""
+    sizes = [1]
+    for t in tree_flatten((args, kwargs))[0]:
+        if isinstance(t, torch.Tensor) and t.numel():
+            rows = t.numel() if not t.is_floating_point() or t.dim() < 2 else t.numel() // t.shape[-1]
+            sizes.append(int(rows))
+    return max(sizes)
+
+
+def agreed_workload(plan: ShardingPlan, args, kwargs) -> int:
+    """``workload_of`` the first call's inputs, the maximum over the ranks of every FSDP process group
+    (one all-reduce each; none on the fake process group): every rank then plans the same schedule."""
+    local = workload_of(args, kwargs)
+    if not dist.is_initialized() or dist.get_backend() == "fake":
+        return local
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    names = sorted({g.group_name for g in plan.groups})
+    return agree_max(local, [_resolve_process_group(n) for n in names], plan.device)
 
 
 def _resolve_kernels(kernels: str, plan: ShardingPlan) -> str:
@@ -166,8 +218,7 @@ def explain_with_graphs(model: nn.Module, example_args, example_kwargs, config: 
     def total(stage: str, key: str) -> float | None:
         return sum(getattr(r, stage)[key] for r in records) * 1e3 if records else None
 
-    by_fqn = {g.fqn: g for g in plan.groups}
-    all_gather_buckets = [b for r in records if r.kind == "forward" for b in r.buckets if b["kind"] == "all_gather"]
+    schedule = compiled.schedule
     return Report(
         graph_breaks=sum(counters["graph_break"].values()) - breaks_before,
         recompiles=max(0, len(compiled.captured.dynamo) - 1),
@@ -178,12 +229,8 @@ def explain_with_graphs(model: nn.Module, example_args, example_kwargs, config: 
         forward=fw,
         backward=bw,
         buckets=[
-            Bucket(
-                groups=b["groups"],
-                params=[p.fqn for fqn in b["groups"] for p in by_fqn[fqn].params],
-                bytes=b["bytes"],
-            )
-            for b in all_gather_buckets
+            Bucket(groups=list(u.members), params=[p.fqn for p in capture.unit_params(plan, u)], bytes=u.all_gather_bytes)
+            for u in schedule.units
         ],
         backend=config.backend,
         hardware=records[0].hardware if records else None,
@@ -194,6 +241,8 @@ def explain_with_graphs(model: nn.Module, example_args, example_kwargs, config: 
         eager_est_exposed_comm_ms=total("before", "exposed_comm_time"),
         eager_est_peak_bytes=max((r.peak_before for r in records), default=None),
         graphs=[{k: v for k, v in dataclasses.asdict(r).items() if k != "stages"} for r in records],
+        schedule=schedule.to_dict(),
+        planning_ms=schedule.planning_s * 1e3,
     ), compiled.captured
 
 
@@ -227,7 +276,7 @@ def _prepare(model: nn.Module, config: CompileConfig | None, overrides: dict) ->
     config = _resolve_config(model, config, overrides)
     plan = read_plan(model)
     _check_against_plan(config, plan)
-    check_ranks_agree(plan)
+    check_ranks_agree(plan, config.agreement_items())
     capture.install_hooks(model)
     return config, plan
 

@@ -1,9 +1,19 @@
 """The compile backend, wiring only: Dynamo graph -> AOTAutograd (our decompositions, recompute tagging)
 -> forward/backward graphs -> ``passes.pipeline.run_passes`` -> ``aot_eager`` (no codegen) or Inductor.
 
-Every graph rewrite lives in ``passes/``, every dump in ``debug/``. Inductor settings are scoped to this
-backend's compiles (``config_patches`` of ``compile_fx`` also wraps the lazily compiled backward), never
-set globally.
+Every graph rewrite lives in ``passes/``, every dump in ``debug/``. Under Inductor our passes are its own
+custom-pass hooks, each a ``CustomGraphPass`` whose ``uuid`` covers what it depends on, so Inductor's FX
+graph cache and AOTAutograd's cache key on them and a second process with the same model, config and
+schedule starts warm:
+
+* ``joint_custom_pre_pass``: recompute tagging (``passes/recompute.py``);
+* ``post_grad_custom_pre_pass``: placement and the schedule's moves (``passes/pipeline.py``);
+* ``post_grad_custom_post_pass``: order pinning, after the caches' checks (``control_deps`` cannot be
+  cached as an input graph, but as part of the generated code it can).
+
+A cache hit skips our passes, so the compile's records and dumps would be empty: a compile that dumps
+turns the FX graph cache (and with it AOTAutograd's) off. Inductor settings are scoped to this backend's
+compiles (``config_patches``, which also wrap the lazily compiled backward), never set globally.
 """
 
 from __future__ import annotations
@@ -22,41 +32,24 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from fsdp_compile.config import CompileConfig
 from fsdp_compile.debug.dump import CompileHook, readable
 from fsdp_compile.ops import DECOMPOSITIONS
+from fsdp_compile.passes.cost_model import CostModel
+from fsdp_compile.passes.pin_order import pin_collective_order
 from fsdp_compile.passes.pipeline import PassRecord, run_passes
 from fsdp_compile.passes.recompute import tag_unshard_recompute
+from fsdp_compile.passes.schedule import Schedule
 from fsdp_compile.plan import ShardingPlan
 
 
 @dataclasses.dataclass
 class CapturedGraphs:
-    """What the backend saw, per compile: read by ``explain`` and the debug dumps."""
+    """What the backend saw, per compile: read by ``explain`` and the debug dumps (empty for a compile
+    that a cache served: its passes did not run in this process)."""
 
     dynamo: list[torch.fx.GraphModule] = dataclasses.field(default_factory=list)
     forward: list[torch.fx.GraphModule] = dataclasses.field(default_factory=list)
     backward: list[torch.fx.GraphModule] = dataclasses.field(default_factory=list)
     records: list[PassRecord] = dataclasses.field(default_factory=list)
     output_code: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (kind, Inductor's source)
-
-
-class _JointTagPass(CustomGraphPass):
-    """The joint-graph tagging pass, whose ``uuid`` also keys Inductor's and AOTAutograd's caches.
-
-    Our passes run inside the compile, after the Dynamo graph that those caches hash: two configs
-    (bucket="auto" vs "fsdp_group", reorder on/off, another hardware profile) share one Dynamo graph.
-    The uuid therefore covers the whole config and our source, so a cached artifact is only reused for
-    the same config and the same fsdp_compile code.
-    """
-
-    def __init__(self, reshard: dict[str, bool], config: CompileConfig):
-        self.reshard = reshard
-        self.config = config
-
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        tag_unshard_recompute(graph, self.reshard)
-
-    def uuid(self) -> bytes:
-        key = repr((sorted(self.reshard.items()), dataclasses.replace(self.config, dump_dir=None), _source_hash()))
-        return hashlib.sha256(key.encode()).digest()
 
 
 @functools.cache
@@ -70,21 +63,63 @@ def _source_hash() -> str:
     return digest.hexdigest()
 
 
-def make_backend(config: CompileConfig, plan: ShardingPlan, captured: CapturedGraphs, codegen: bool = True) -> Callable:
+class _Pass(CustomGraphPass):
+    """One of our passes as an Inductor custom pass. Its ``uuid`` keys Inductor's and AOTAutograd's
+    caches, which hash the Dynamo graph but not what we do after it: it covers the pass, the config, the
+    schedule and the package's source (a cached artifact is reused only for all of them equal)."""
+
+    def __init__(self, name: str, key: tuple, fn: Callable[[torch.fx.Graph], None]):
+        self.name, self.key, self.fn = name, key, fn
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        self.fn(graph)
+
+    def uuid(self) -> bytes:
+        return hashlib.sha256(repr((self.name, self.key, _source_hash())).encode()).digest()
+
+
+def _decomp_table() -> dict:
+    from torch._inductor.decomposition import select_decomp_table
+
+    return {**select_decomp_table(), **DECOMPOSITIONS}
+
+
+class _DecompTable(dict):
+    """Inductor's decompositions and ours, pickled by name: ``compile_fx`` hands its ``decompositions`` to
+    the FX graph cache's key, and the table's ~1500 functions do not pickle (closures, pybind11 methods),
+    which would make every compile bypass the cache. Its content is covered by the passes' uuid (our
+    source) and by torch's version (in every cache key)."""
+
+    def __reduce__(self):
+        return (_decomp_table, ())
+
+
+def _is_backward(graph: torch.fx.Graph) -> bool:
+    return any(n.op == "placeholder" and n.name.startswith("tangents") for n in graph.nodes)
+
+
+def make_backend(
+    config: CompileConfig,
+    plan: ShardingPlan,
+    schedule: Schedule,
+    cost_model: CostModel,
+    captured: CapturedGraphs,
+    codegen: bool = True,
+) -> Callable:
     """``codegen=False`` (``explain``) stops after our passes: the graphs are what the configured backend
     would receive (Inductor's decompositions included), but nothing is generated."""
     reshard = {g.fqn: g.reshard_after_forward for g in plan.groups}
-    known_groups = [g.fqn for g in plan.groups]
     hook = CompileHook(config.dump_dir)
     snapshot = readable if config.dump_dir or not codegen else None
     inductor = config.backend == "inductor" and codegen
+    moves_anything = any(
+        u.issue_at != i or u.backward_issue_at != i or u.sink for i, u in enumerate(schedule.units)
+    )
 
     def on_graph(kind: str, gm: torch.fx.GraphModule) -> None:
         """Every forward/backward graph, before it is compiled: our passes, then the record and dumps."""
         graphs = getattr(captured, kind)
-        record = run_passes(
-            gm, kind, len(graphs), config, known_groups, pin_order=inductor, snapshot=snapshot
-        )
+        record = run_passes(gm, kind, len(graphs), schedule, cost_model, snapshot=snapshot)
         captured.records.append(record)
         graphs.append(gm)
         hook.passes(record)
@@ -93,12 +128,23 @@ def make_backend(config: CompileConfig, plan: ShardingPlan, captured: CapturedGr
         hook.dynamo(len(captured.dynamo), gm)
         captured.dynamo.append(gm)
         if inductor:
-            return _inductor(gm, example_inputs, reshard, config, on_graph, captured, hook)
+            key = (sorted(reshard.items()), dataclasses.replace(config, dump_dir=None), schedule.digest(),
+                   cost_model.profile)
+            patches = {
+                "joint_custom_pre_pass": _Pass("recompute", key, lambda g: tag_unshard_recompute(g, reshard)),
+                "post_grad_custom_pre_pass": _Pass(
+                    "schedule", key, lambda g: on_graph("backward" if _is_backward(g) else "forward", g.owning_module)
+                ),
+                "post_grad_custom_post_pass": _Pass(
+                    "pin", key, lambda g: pin_collective_order(g.owning_module) if moves_anything else None
+                ),
+            }
+            if config.dump_dir:
+                patches["fx_graph_cache"] = False  # a cache hit would skip the passes that write the dump
+            return _inductor(gm, example_inputs, patches, captured, hook)
         decompositions = DECOMPOSITIONS
         if config.backend == "inductor":
-            from torch._inductor.decomposition import select_decomp_table
-
-            decompositions = {**select_decomp_table(), **DECOMPOSITIONS}
+            decompositions = _decomp_table()
         return _aot_eager(gm, example_inputs, reshard, on_graph, decompositions)
 
     return backend
@@ -125,13 +171,13 @@ def _aot_eager(gm, example_inputs, reshard, on_graph, decompositions):
     )(gm, example_inputs)
 
 
-def _inductor(gm, example_inputs, reshard, config, on_graph, captured, hook):
+def _inductor(gm, example_inputs, patches, captured, hook):
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
-    from torch._inductor.decomposition import select_decomp_table
 
     def inner_compile(g, *args, **kwargs):
+        """Inductor's own, observed: the generated code goes to the record and the dump (nothing here
+        changes the graph, which the AOTAutograd cache's key would not see)."""
         kind = "backward" if kwargs.get("is_backward") else "forward"
-        on_graph(kind, g)
         out = compile_fx_inner(g, *args, **kwargs)
         source = getattr(out, "source_code", None)
         if source:
@@ -140,9 +186,6 @@ def _inductor(gm, example_inputs, reshard, config, on_graph, captured, hook):
         return out
 
     return compile_fx(
-        gm,
-        example_inputs,
-        inner_compile=inner_compile,
-        decompositions={**select_decomp_table(), **DECOMPOSITIONS},
-        config_patches={"joint_custom_pre_pass": _JointTagPass(reshard, config)},
+        gm, example_inputs, inner_compile=inner_compile, decompositions=_DecompTable(_decomp_table()),
+        config_patches=patches,
     )

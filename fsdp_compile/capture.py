@@ -10,8 +10,8 @@ hook id, by a dispatcher:
 * inside it (``_ACTIVE``, which Dynamo guards on) it does only the traceable part of FSDP2's hook: the
   ``MixedPrecisionPolicy`` casts (``cast_forward_inputs`` before, ``output_dtype`` after).
 
-The parameters come from ``traced_forward``: for every FSDP group one ``fsdp_compile::unshard`` over the
-group's local shards (``DTensor.to_local()``, taken just outside the graph, so gradients arrive as
+The parameters come from ``traced_forward``: for every unit of the communication schedule (an FSDP
+group, a bucket of them, or one parameter) one ``fsdp_compile::unshard`` over its local shards (``DTensor.to_local()``, taken just outside the graph, so gradients arrive as
 Shard(0) DTensor ``.grad`` on the original parameters), then ``torch.func.functional_call`` runs the
 model with the full tensors. The passes then move each unshard to just before its group's first use
 (``passes/placement.py``), which is where FSDP2's pre-forward hook would have issued it.
@@ -19,7 +19,6 @@ model with the full tensors. The passes then move each unshard to just before it
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import torch
@@ -28,7 +27,8 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import _cast_fp_tensor
 from torch.distributed.utils import _apply_to_tensors
 
 from fsdp_compile.ops import Comm, Reduction, UnshardArgs
-from fsdp_compile.plan import GroupPlan, ShardingPlan, fsdp_states
+from fsdp_compile.passes.schedule import Schedule, Unit
+from fsdp_compile.plan import ParamPlan, ShardingPlan, fsdp_states
 
 _ACTIVE = False  # True only while our compiled step runs (and while Dynamo traces it)
 
@@ -93,31 +93,31 @@ def install_hooks(model: nn.Module) -> None:
 
 
 def traced_forward(
-    model: nn.Module, plan: ShardingPlan, kernels: str, per_param: bool, shards: list[list[torch.Tensor]], args, kwargs
+    model: nn.Module, plan: ShardingPlan, schedule: Schedule, kernels: str, shards: list[list[torch.Tensor]], args, kwargs
 ):
-    """The function Dynamo captures: unshard every group's local shards (``shards[i]`` for
-    ``plan.groups[i]``), then run the model on the full parameters. ``per_param`` (``bucket="none"``)
-    gives every parameter its own all-gather and reduce-scatter instead of one per FSDP group."""
+    """The function Dynamo captures: one ``fsdp_compile::unshard`` per unit of the schedule (``shards[i]``:
+    the local shards of ``unit_params(plan, schedule.units[i])``), then the model on the full parameters."""
     full = {}
-    for group, group_shards in zip(plan.groups, shards):
-        if per_param:
-            for p, shard in zip(group.params, group_shards):
-                full.update(_unshard(dataclasses.replace(group, params=(p,)), [shard], kernels))
-        else:
-            full.update(_unshard(group, group_shards, kernels))
+    for i, (unit, unit_shards) in enumerate(zip(schedule.units, shards)):
+        params = unit_params(plan, unit)
+        gathered = torch.ops.fsdp_compile.unshard(unit_shards, *unshard_args(plan, unit, i, kernels).schema())
+        full.update({p.fqn: t for p, t in zip(params, gathered)})
     return torch.func.functional_call(model, full, args, kwargs, tie_weights=True, strict=False)
 
 
-def unshard_args(group: GroupPlan, kernels: str) -> UnshardArgs:
-    """The ``fsdp_compile::unshard`` arguments for one FSDP group (or one parameter of it)."""
+def unit_params(plan: ShardingPlan, unit: Unit) -> list[ParamPlan]:
+    """The parameters one unit gathers, in the order its op takes and returns them."""
+    params = [p for fqn in unit.members for p in plan.group(fqn).params]
+    return [p for p in params if p.fqn == unit.param] if unit.param is not None else params
+
+
+def unshard_args(plan: ShardingPlan, unit: Unit, index: int, kernels: str) -> UnshardArgs:
+    """The ``fsdp_compile::unshard`` arguments of schedule unit ``index`` (its members share everything but
+    their parameters: ``GroupPlan.bucket_key``)."""
+    group = plan.group(unit.members[0])
     return UnshardArgs(
-        comm=Comm(group.fqn, group.group_name, group.world_size, group.rank, kernels),
-        dim0s=tuple(p.full_shape[0] for p in group.params),
+        comm=Comm(unit.members, index, group.group_name, group.world_size, group.rank, kernels),
+        dim0s=tuple(p.full_shape[0] for p in unit_params(plan, unit)),
         param_dtype=group.param_dtype,
         reduction=Reduction(group.reduce_dtype, group.reduce_op, group.pre_factor, group.post_factor),
     )
-
-
-def _unshard(group: GroupPlan, group_shards, kernels: str) -> dict[str, torch.Tensor]:
-    gathered = torch.ops.fsdp_compile.unshard(group_shards, *unshard_args(group, kernels).schema())
-    return {p.fqn: t for p, t in zip(group.params, gathered)}

@@ -78,6 +78,10 @@ class CompileConfig:
         if self.dump_dir is None and os.environ.get(DUMP_ENV):
             object.__setattr__(self, "dump_dir", os.environ[DUMP_ENV])
 
+    def agreement_items(self) -> list[tuple[str, object]]:
+        """The fields every rank must set alike (``dump_dir`` may differ: one directory per rank is fine)."""
+        return [(f"CompileConfig.{f.name}", repr(getattr(self, f.name))) for f in dataclasses.fields(self) if f.name != "dump_dir"]
+
     def replace(self, **overrides) -> "CompileConfig":
         unknown = set(overrides) - {f.name for f in dataclasses.fields(self)}
         if unknown:

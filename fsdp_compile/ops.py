@@ -46,7 +46,8 @@ _c10d = torch.ops._c10d_functional
 class Comm:
     """Where and how one FSDP collective runs."""
 
-    fsdp_group: str  # the FSDP module FQN ("" for the root): the annotation the passes read
+    fsdp_groups: tuple[str, ...]  # the FSDP module FQNs it serves ("" for the root): the annotation the passes read
+    unit: int  # its unit in the schedule (``passes.schedule``): how the passes find it in every graph
     group_name: str  # the c10d process group the functional collective runs on
     world_size: int
     rank: int  # read only by the Triton copy kernels (the torch copies take it from the shard shapes)
@@ -66,13 +67,14 @@ class Reduction:
 def _to_schema(comm: Comm, sizes: tuple[int, ...], dtype: torch.dtype | None, reduction: Reduction) -> tuple:
     """Both ops' arguments after their tensor list, in schema order: one list of sizes, the ``Comm``, one
     dtype, the ``Reduction``. The records below keep their fields in that order."""
-    return (list(sizes), comm.fsdp_group, comm.group_name, comm.world_size, comm.rank, comm.kernels, dtype,
-            reduction.dtype, reduction.op, reduction.pre_factor, reduction.post_factor)
+    # FQNs never hold a comma, and a schema has no list of strings: the members travel joined
+    return (list(sizes), ",".join(comm.fsdp_groups), comm.unit, comm.group_name, comm.world_size, comm.rank,
+            comm.kernels, dtype, reduction.dtype, reduction.op, reduction.pre_factor, reduction.post_factor)
 
 
-def _from_schema(sizes, fsdp_group, group_name, world_size, rank, kernels, dtype, reduce_dtype, reduce_op,
+def _from_schema(sizes, fsdp_groups, unit, group_name, world_size, rank, kernels, dtype, reduce_dtype, reduce_op,
                  pre_factor, post_factor) -> tuple:
-    return (Comm(fsdp_group, group_name, world_size, rank, kernels), tuple(sizes), dtype,
+    return (Comm(tuple(fsdp_groups.split(",")), unit, group_name, world_size, rank, kernels), tuple(sizes), dtype,
             Reduction(reduce_dtype, reduce_op, pre_factor, post_factor))
 
 
@@ -142,7 +144,7 @@ def _copy_out(gathered: Tensor, shards: Sequence[Tensor], dim0s: Sequence[int], 
 def unshard_impl(shards: list[Tensor], args: UnshardArgs) -> list[Tensor]:
     """copy-in -> all-gather -> wait -> copy-out, every node annotated with the FSDP group."""
     c = args.comm
-    with annotate(UNSHARD, c.fsdp_group):
+    with annotate(UNSHARD, c.fsdp_groups, c.unit):
         if c.kernels == "triton":  # one launch each for copy-in and copy-out (fsdp_compile.kernels)
             from fsdp_compile import kernels as K
 
@@ -159,7 +161,7 @@ def unshard_impl(shards: list[Tensor], args: UnshardArgs) -> list[Tensor]:
 def reduce_scatter_grads_impl(grads: list[Tensor], args: ReduceScatterArgs) -> list[Tensor]:
     """pack -> reduce-scatter -> wait -> unpack, with FSDP2's divide factors, annotated like the unshard."""
     c, r = args.comm, args.reduction
-    with annotate(REDUCE_SCATTER, c.fsdp_group):
+    with annotate(REDUCE_SCATTER, c.fsdp_groups, c.unit):
         if c.kernels == "triton":
             from fsdp_compile import kernels as K
 
@@ -218,38 +220,38 @@ def _unpack_grads(reduced: Tensor, grads, local_rows, world_size: int, dtype: to
 
 @torch.library.custom_op("fsdp_compile::unshard", mutates_args=())
 def unshard(
-    shards: list[Tensor], dim0s: list[int], fsdp_group: str, group_name: str, world_size: int, rank: int,
+    shards: list[Tensor], dim0s: list[int], fsdp_groups: str, unit: int, group_name: str, world_size: int, rank: int,
     kernels: str, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None, reduce_op: str,
     pre_factor: float | None, post_factor: float | None,
 ) -> list[Tensor]:
     """All-gather one FSDP group's dim-0 shards into full parameters (see the module docstring).
     The arguments after ``shards`` are ``UnshardArgs.schema()``; the reduce-side ones parametrize the
     backward, ``reduce_scatter_grads``."""
-    args = UnshardArgs.from_schema(dim0s, fsdp_group, group_name, world_size, rank, kernels, param_dtype,
+    args = UnshardArgs.from_schema(dim0s, fsdp_groups, unit, group_name, world_size, rank, kernels, param_dtype,
                                    reduce_dtype, reduce_op, pre_factor, post_factor)
     return [t.clone() for t in unshard_impl(shards, args)]
 
 
 @unshard.register_fake
-def _(shards, dim0s, fsdp_group, group_name, world_size, rank, kernels, param_dtype, *reduction):
+def _(shards, dim0s, fsdp_groups, unit, group_name, world_size, rank, kernels, param_dtype, *reduction):
     return [s.new_empty((d, *s.shape[1:]), dtype=param_dtype or s.dtype) for s, d in zip(shards, dim0s)]
 
 
 @torch.library.custom_op("fsdp_compile::reduce_scatter_grads", mutates_args=())
 def reduce_scatter_grads(
-    grads: list[Tensor], local_rows: list[int], fsdp_group: str, group_name: str, world_size: int, rank: int,
-    kernels: str, orig_dtype: torch.dtype, reduce_dtype: torch.dtype, reduce_op: str, pre_factor: float | None,
-    post_factor: float | None,
+    grads: list[Tensor], local_rows: list[int], fsdp_groups: str, unit: int, group_name: str, world_size: int,
+    rank: int, kernels: str, orig_dtype: torch.dtype, reduce_dtype: torch.dtype, reduce_op: str,
+    pre_factor: float | None, post_factor: float | None,
 ) -> list[Tensor]:
     """Reduce-scatter full-parameter gradients into this rank's shard gradients (FSDP2's post-backward).
     The arguments after ``grads`` are ``ReduceScatterArgs.schema()``."""
-    args = ReduceScatterArgs.from_schema(local_rows, fsdp_group, group_name, world_size, rank, kernels, orig_dtype,
-                                         reduce_dtype, reduce_op, pre_factor, post_factor)
+    args = ReduceScatterArgs.from_schema(local_rows, fsdp_groups, unit, group_name, world_size, rank, kernels,
+                                         orig_dtype, reduce_dtype, reduce_op, pre_factor, post_factor)
     return [t.clone() for t in reduce_scatter_grads_impl(grads, args)]
 
 
 @reduce_scatter_grads.register_fake
-def _(grads, local_rows, fsdp_group, group_name, world_size, rank, kernels, orig_dtype, *reduction):
+def _(grads, local_rows, fsdp_groups, unit, group_name, world_size, rank, kernels, orig_dtype, *reduction):
     return [g.new_empty((rows, *g.shape[1:]), dtype=orig_dtype) for g, rows in zip(grads, local_rows)]
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 
 import torch
 import torch.distributed as dist
@@ -29,6 +30,7 @@ class ParamPlan:
     local_rows: int  # this rank's unpadded dim-0 rows (0 for ranks past the end)
     orig_dtype: torch.dtype
     requires_grad: bool
+    matmul: bool  # a weight of matrix products (2-D or more, and not only an embedding table): the cost model's FLOPs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,17 +48,36 @@ class GroupPlan:
     reduce_op: str  # "avg" | "sum" | "premul_sum"
     pre_factor: float | None  # divisor before a "sum", multiplier for "premul_sum"
     post_factor: float | None  # divisor after the reduce-scatter
+    forward_prefetch: tuple[str, ...] = ()  # FSDP2's set_modules_to_forward_prefetch: FQNs gathered at our pre-forward
+    backward_prefetch: tuple[str, ...] = ()  # ... set_modules_to_backward_prefetch
 
     @property
     def unsharded_bytes(self) -> int:
-        size = 0
-        for p in self.params:
-            dtype = self.param_dtype or p.orig_dtype
-            numel = padded_rows(p.full_shape[0], self.world_size) * self.world_size
-            for s in p.full_shape[1:]:
-                numel *= s
-            size += numel * dtype.itemsize
-        return size
+        """Bytes one all-gather of this group moves: every parameter padded to W rows, in ``param_dtype``."""
+        return sum(_padded_numel(p.full_shape, self.world_size) * (self.param_dtype or p.orig_dtype).itemsize for p in self.params)
+
+    @property
+    def reduce_bytes(self) -> int:
+        """Bytes one reduce-scatter of this group's gradients takes in (trainable parameters, ``reduce_dtype``)."""
+        return sum(
+            _padded_numel(p.full_shape, self.world_size) * (self.reduce_dtype or p.orig_dtype).itemsize
+            for p in self.params if p.requires_grad
+        )
+
+    @property
+    def matmul_numel(self) -> int:
+        """Elements of this group's matrix-product weights: forward FLOPs per token are twice this."""
+        return sum(math.prod(p.full_shape) for p in self.params if p.matmul)
+
+    def bucket_key(self) -> tuple:
+        """Groups with equal keys can share one all-gather and one reduce-scatter."""
+        orig_dtype = self.params[0].orig_dtype  # FSDP2 requires one original dtype per group
+        return (self.group_name, self.world_size, self.reshard_after_forward, orig_dtype, self.param_dtype,
+                self.reduce_dtype, self.reduce_op, self.pre_factor, self.post_factor)
+
+
+def _padded_numel(shape: tuple[int, ...], world_size: int) -> int:
+    return padded_rows(shape[0], world_size) * world_size * math.prod(shape[1:])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,9 +90,15 @@ class ShardingPlan:
         collectives in the same order (local shard sizes and the rank itself may differ)."""
         return [
             (g.fqn, g.group_name, g.world_size, g.reshard_after_forward, str(g.param_dtype), str(g.reduce_dtype),
-             g.reduce_op, tuple((p.fqn, p.full_shape, str(p.orig_dtype), p.requires_grad) for p in g.params))
+             g.reduce_op, g.pre_factor, g.post_factor, g.forward_prefetch, g.backward_prefetch,
+             tuple((p.fqn, p.full_shape, str(p.orig_dtype), p.requires_grad, p.matmul) for p in g.params))
             for g in self.groups
         ]
+
+    def has_fsdp_children(self, fqn: str) -> bool:
+        """Whether other FSDP modules live inside module ``fqn`` (the root, usually)."""
+        prefix = fqn + "." if fqn else ""
+        return any(g.fqn != fqn and g.fqn.startswith(prefix) for g in self.groups)
 
     def group(self, fqn: str) -> GroupPlan:
         for g in self.groups:
@@ -124,15 +151,16 @@ def _allow_meta_params(model: nn.Module):
         FSDPParamGroup._validate_no_meta_params = original
 
 
-def check_ranks_agree(plan: ShardingPlan) -> None:
-    """Compare ``plan.fingerprint()`` across the ranks of every process group the plan's collectives use.
+def check_ranks_agree(plan: ShardingPlan, config_items: list[tuple[str, object]] = ()) -> None:
+    """Compare ``plan.fingerprint()`` and the config across the ranks of every process group the plan's
+    collectives use, once, before the first trace.
 
-    Ranks that shard different models would issue different collectives inside the compiled graphs and
-    block until the process group's timeout, or exchange the wrong bytes; this turns that into an error
-    on every rank that names the first difference. It compares within each FSDP process group, not the
-    whole world: ranks outside it (another pipeline stage, say) may hold another model. Tensor
-    collectives only (``_agree``), bounded by the process group's timeout. Skipped on the fake process
-    group (no peers).
+    Ranks that shard different models, or compile with different settings, would issue different
+    collectives inside the compiled graphs and block until the process group's timeout, or exchange the
+    wrong bytes; this turns that into an error on every rank that names the first difference. It
+    compares within each FSDP process group, not the whole world: ranks outside it (another pipeline
+    stage, say) may hold another model. Tensor collectives only (``_agree``), bounded by the process
+    group's timeout. Skipped on the fake process group (no peers).
     """
     if not dist.is_initialized() or dist.get_backend() == "fake":
         return
@@ -146,6 +174,10 @@ def check_ranks_agree(plan: ShardingPlan) -> None:
         group = _resolve_process_group(name)
         if group.size() > 1:
             check_same(
+                "the fsdp_compile.CompileConfig", list(config_items), group, plan.device,
+                "every rank must pass the same settings to fsdp_compile.compile",
+            )
+            check_same(
                 "the sharded model", items, group, plan.device,
                 "every rank must build the same model and call fully_shard the same way before fsdp_compile.compile",
             )
@@ -156,9 +188,18 @@ def read_plan(model: nn.Module) -> ShardingPlan:
     canonical = {}
     for name, p in model.named_parameters():  # remove_duplicate=True: tied params keep one FQN
         canonical.setdefault(p, name)
+    # a parameter is a matrix-product weight unless every module that owns it is an embedding (tied
+    # embedding/output weights are both)
+    lookup_only: dict[nn.Parameter, bool] = {}
+    for module in model.modules():
+        for p in module._parameters.values():
+            if p is not None:
+                lookup_only[p] = lookup_only.get(p, True) and isinstance(module, (nn.Embedding, nn.EmbeddingBag))
+    states = fsdp_states(model)
+    fqn_of_state = {state: fqn for fqn, _, state in states}
     groups = []
     devices = set()
-    for fqn, module, state in fsdp_states(model):
+    for fqn, module, state in states:
         param_groups = state._fsdp_param_groups
         if len(param_groups) > 1:
             raise NotImplementedError(
@@ -174,7 +215,12 @@ def read_plan(model: nn.Module) -> ShardingPlan:
         if not param_groups:
             continue
         pg = param_groups[0]
-        groups.append(_read_group(fqn, pg, canonical))
+        group = _read_group(fqn, pg, canonical, lookup_only)
+        groups.append(dataclasses.replace(
+            group,
+            forward_prefetch=tuple(fqn_of_state[s] for s in state._states_to_forward_prefetch),
+            backward_prefetch=tuple(fqn_of_state[s] for s in state._states_to_backward_prefetch),
+        ))
         devices.add(pg.device)
     if len(devices) > 1:
         raise ValueError(f"FSDP groups live on different devices {sorted(map(str, devices))}; use one device per rank")
@@ -183,7 +229,7 @@ def read_plan(model: nn.Module) -> ShardingPlan:
     return ShardingPlan(tuple(groups), devices.pop())
 
 
-def _read_group(fqn: str, pg, canonical: dict) -> GroupPlan:
+def _read_group(fqn: str, pg, canonical: dict, lookup_only: dict) -> GroupPlan:
     where = f"FSDP module {fqn or '<root>'!r}"
     if isinstance(pg.offload_policy, CPUOffloadPolicy):
         raise NotImplementedError(f"{where}: offload_policy=CPUOffloadPolicy() is not supported under fsdp_compile.compile yet")
@@ -215,7 +261,8 @@ def _read_group(fqn: str, pg, canonical: dict) -> GroupPlan:
         expected = rank_rows(full[0], world_size, group.rank())
         if local.shape[0] != expected or tuple(local.shape[1:]) != full[1:]:
             raise ValueError(f"{where_p}: local shard {tuple(local.shape)} does not match FSDP2's dim-0 layout of {full} over {world_size} ranks")
-        params.append(ParamPlan(canonical[param], full, local.shape[0], param.dtype, param.requires_grad))
+        matmul = len(full) >= 2 and not lookup_only.get(param, False)
+        params.append(ParamPlan(canonical[param], full, local.shape[0], param.dtype, param.requires_grad, matmul))
     trainable = [p for p in pg.fsdp_params if p.sharded_param.requires_grad]
     param_dtype = next((p.param_dtype for p in pg.fsdp_params if p.param_dtype is not None), None)
     grad_dtype = param_dtype or (trainable[0].orig_dtype if trainable else None)

@@ -15,7 +15,7 @@ _ALL_REDUCE = {_c10d.all_reduce.default}
 
 @dataclasses.dataclass
 class Bucket:
-    """One all-gather (and, for trainable groups, its reduce-scatter): members and unsharded bytes."""
+    """One unit of the schedule: one all-gather (and, for trainable groups, one reduce-scatter)."""
 
     groups: list[str]  # FSDP module FQNs ("" is the root)
     params: list[str]  # parameter FQNs
@@ -32,19 +32,21 @@ class Report:
     all_reduces: int
     forward: dict[str, int]  # per-graph collective counts
     backward: dict[str, int]
-    buckets: list[Bucket]  # the forward all-gather buckets
+    buckets: list[Bucket]  # the schedule's units, in forward order
     backend: str
     hardware: str | None = None  # the cost-model profile used for the estimates
     # Predicted by the cost model and simulator for forward + backward after our passes ...
     est_step_ms: float | None = None
     est_exposed_comm_ms: float | None = None
     est_peak_bytes: int | None = None
-    # ... and for the graphs as captured, before bucketing and reordering (with bucket="fsdp_group": every
-    # collective where eager FSDP2 issues it, without its prefetch)
+    # ... and for the same graphs as placed, before the schedule's moves (every collective where FSDP2's hooks
+    # issue it, without its prefetch; with bucket="fsdp_group", eager FSDP2's collectives)
     eager_est_step_ms: float | None = None
     eager_est_exposed_comm_ms: float | None = None
     eager_est_peak_bytes: int | None = None
-    graphs: list[dict] = dataclasses.field(default_factory=list)  # per graph: buckets, moves, schedules (backend.PassRecord)
+    graphs: list[dict] = dataclasses.field(default_factory=list)  # per graph: collectives, moves, simulations (PassRecord)
+    schedule: dict | None = None  # passes.schedule.Schedule.to_dict(): units, prefetch, sinks, its own predictions
+    planning_ms: float | None = None  # time spent planning the schedule (once per compiled model)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
@@ -52,25 +54,33 @@ class Report:
     def to_markdown(self) -> str:
         est = lambda v, unit="": "n/a" if v is None else f"{v:.3f}{unit}"  # noqa: E731
         mib = lambda v: "n/a" if v is None else f"{v / 2**20:.1f} MiB"  # noqa: E731
+        plan = self.schedule or {}
         lines = [
             "# fsdp_compile report",
             "",
             f"- backend: `{self.backend}`",
+            f"- schedule: {len(self.buckets)} units (bucket policy `{plan.get('policy')}`), planned in "
+            f"{est(self.planning_ms, ' ms')} for {plan.get('workload')} tokens per step on `{plan.get('hardware')}`",
             f"- Dynamo graphs: {self.dynamo_graphs}, graph breaks: {self.graph_breaks}, recompiles: {self.recompiles}",
             f"- collectives per step: {self.all_gathers} all-gathers ({self.forward['all_gathers']} forward, "
             f"{self.backward['all_gathers']} backward), {self.reduce_scatters} reduce-scatters, "
             f"{self.all_reduces} all-reduces",
             f"- predicted on `{self.hardware}` (forward + backward): step {est(self.est_step_ms, ' ms')}, exposed "
             f"communication {est(self.est_exposed_comm_ms, ' ms')}, peak {mib(self.est_peak_bytes)}",
-            f"- the graphs as captured (before bucketing and reordering): step {est(self.eager_est_step_ms, ' ms')}, "
+            f"- the graphs as placed (every collective where FSDP2's hooks issue it, before the schedule's moves): "
+            f"step {est(self.eager_est_step_ms, ' ms')}, "
             f"exposed communication {est(self.eager_est_exposed_comm_ms, ' ms')}, peak {mib(self.eager_est_peak_bytes)}",
             "",
-            "| forward all-gather bucket | FSDP modules | parameters | unsharded MiB |",
-            "|---|---|---|---|",
+            "| unit | FSDP modules | parameters | unsharded MiB | issued at (forward) | issued at (backward) | RS waits after |",
+            "|---|---|---|---|---|---|---|",
         ]
-        for i, b in enumerate(self.buckets):
+        units = plan.get("units") or [{}] * len(self.buckets)
+        for i, (b, u) in enumerate(zip(self.buckets, units)):
             groups = ", ".join(g or "<root>" for g in b.groups)
-            lines.append(f"| {i} | {groups} | {len(b.params)} | {b.bytes / 2**20:.3f} |")
+            fwd = "-" if u.get("issue_at", i) == i else f"unit {u['issue_at']}"
+            bwd = "-" if not u.get("regathers") or u.get("backward_issue_at", i) == i else f"unit {u['backward_issue_at']}"
+            sink = f"{u['sink']} later" if u.get("sink") else "-"
+            lines.append(f"| {i} | {groups} | {len(b.params)} | {b.bytes / 2**20:.3f} | {fwd} | {bwd} | {sink} |")
         return "\n".join(lines) + "\n"
 
     def save_timeline(self, path: str) -> None:

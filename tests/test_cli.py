@@ -31,8 +31,8 @@ def dump(tmp_path_factory):
 def test_dump_writes_every_stage(dump):
     out, _, proc = dump
     names = sorted(os.listdir(out))
-    stages = {"0_dynamo0.txt", "1_forward0_0_captured.txt", "1_forward0_1_bucketed.txt", "1_forward0_2_reordered.txt",
-              "2_backward0_0_captured.txt", "2_backward0_2_reordered.txt"}
+    stages = {"0_dynamo0.txt", "1_forward0_0_captured.txt", "1_forward0_1_reordered.txt",
+              "2_backward0_0_captured.txt", "2_backward0_1_reordered.txt"}
     assert stages <= set(names), names
     assert {"report.md", "report.json", "schedule.json", "timeline.png", "timeline.html"} <= set(names)
     assert "fsdp_compile report" in proc.stdout
@@ -46,7 +46,7 @@ def test_report_lists_every_collective(dump):
     for g in schedule["graphs"]:
         names[g["graph"]] = [c["name"] for c in g["collectives"]]
     # the final graphs hold exactly the collectives the schedule lists, and report.md has a row for each
-    for graph, file in (("forward0", "1_forward0_2_reordered.txt"), ("backward0", "2_backward0_2_reordered.txt")):
+    for graph, file in (("forward0", "1_forward0_1_reordered.txt"), ("backward0", "2_backward0_1_reordered.txt")):
         text = (out / file).read_text()
         in_graph = [line.split(":")[0][2:] for line in text.splitlines() if line.startswith("# ") and "_c10d_functional." in line and "wait_tensor" not in line]
         assert sorted(in_graph) == sorted(names[graph]) and in_graph, (graph, in_graph, names[graph])

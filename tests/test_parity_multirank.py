@@ -30,7 +30,7 @@ CASES_2 = [
     Case(bucket="none"),
     Case(bucket="auto"),
     Case(bucket="auto", reorder=True, n_layers=3),
-    Case(bucket=(("", "layers.0"), ("layers.1",)), reorder=True),
+    Case(bucket=(("layers.0", "layers.1"),), reorder=True),
     Case(model="odd", bucket="auto", reorder=True),
     Case(mp="bf16", bucket="auto", reorder=True),
 ]
@@ -79,8 +79,8 @@ def test_bucketing_counts(results_2):
     r = results_2[0]
     none = r[Case(bucket="none").name]
     assert none["forward"]["all_gathers"] == 3 + 2 * 9  # one per parameter: the root 3, each block 9
-    plan = r[Case(bucket=(("", "layers.0"), ("layers.1",)), reorder=True).name]
-    assert plan["forward"]["all_gathers"] == 2
+    plan = r[Case(bucket=(("layers.0", "layers.1"),), reorder=True).name]
+    assert plan["forward"]["all_gathers"] == 2  # the root, then both blocks in one
 
 
 def test_collectives_like_eager(results_2):

@@ -1,94 +1,130 @@
-"""Reordering: prefetch all-gathers and sink reduce-scatter waits within a memory budget.
+"""``apply_schedule``: a schedule's prefetches and deferred waits on captured graphs.
 
-Hand-built schedule (``passes_helpers.PROFILE``: mm of [1000, 1000]^2 = 2 ms, all-gather of 1 MB per
-rank = 3 ms, memory traffic free)::
-
-    input:      mm0 (2 ms) -> ag1 (3 ms, exposed) -> wait ag1 -> sum          step 5 ms
-    reordered:  ag1 -> mm0 (hides 2 ms of ag1) -> wait ag1 (1 ms exposed) -> sum   step 3 ms
-
-Memory: x 1 MB and a 4 MB are inputs (live throughout); mm0's output (4 MB) is freed after its sum; the
-gathered buffer is 2 MB. Input peak: x + a + mm0 + its 4-byte sum = 9 MB + 4 (at the sum). Reordered:
-x + a + ag1 + mm0 + sum = 11 MB + 4, so the default budget (the input's peak) forbids the move and an
-11 MB + 4 budget allows it.
+The graphs are captured as placed (``bucket="fsdp_group", reorder=False``: every collective where FSDP2's
+hooks issue it), then a schedule planned for the same units is applied to copies. The schedule decides
+which collectives move where; the graph only supplies anchors (other collectives), so every rank's graph
+gets the same collectives in the same order, whatever its activation shapes or shard sizes.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
-import torch.distributed as dist
-from torch.fx.experimental.proxy_tensor import make_fx
 
+import fsdp_compile as fc
 from dist_helpers import fake_process_group
-from fsdp_compile.passes import peak_memory, simulate
 from fsdp_compile.passes import predicates as P
 from fsdp_compile.passes.cost_model import CostModel
-from fsdp_compile.passes.reordering import reorder
-from passes_helpers import PROFILE, EmulatedRanks, captured, copy_gm, random_inputs, same_outputs
+from fsdp_compile.passes.reordering import apply_schedule
+from fsdp_compile.passes.schedule import modules_of, plan_schedule
+from models import Llama, LlamaArgs, OddMLP, shard
+from passes_helpers import EmulatedRanks, captured, copy_gm, random_inputs, same_outputs
 
-c10d = torch.ops._c10d_functional
-MB = 1_000_000
-MS = 1e-3
-S = 4  # one fp32 scalar
-
-
-def _hand_built():
-    with fake_process_group(2):
-        pg = dist.group.WORLD.group_name
-
-        def step(x, a):
-            s0 = torch.mm(a, a).sum()
-            ag1 = c10d.all_gather_into_tensor(x, 2, pg)
-            return c10d.wait_tensor(ag1).sum() + s0
-
-        return make_fx(step, tracing_mode="fake")(torch.empty(250_000), torch.empty(1000, 1000))
+AS_PLACED = fc.CompileConfig(backend="aot_eager", bucket="fsdp_group", reorder=False)
 
 
-def _order(gm):
-    return [n.name for n in gm.graph.nodes if n.op == "call_function"]
+def _sequence(gm) -> list[tuple[str, int]]:
+    """What a process group sees: every FSDP collective (kind, unit), in issue order."""
+    return [(P.collective_kind(n), P.fsdp_unit(n)) for n in P.collectives(gm.graph)]
 
 
-def test_prefetch_blocked_by_default_budget():
-    gm = _hand_built()
-    cm = CostModel(PROFILE)
-    assert peak_memory(gm)[0] == 9 * MB + S
-    before = _order(gm)
-    r = reorder(gm, cm)
-    assert r.moves == [] and _order(gm) == before
-    assert (r.step_before, r.step_after) == pytest.approx((5 * MS, 5 * MS))
-    assert r.memory_budget == 9 * MB + S
+def _planned(plan, hardware="h100-nvlink", workload=64):
+    return plan_schedule(modules_of(plan), policy="fsdp_group", reorder=True, cost_model=CostModel(hardware), workload=workload)
 
 
-def test_prefetch_within_budget_hides_the_all_gather():
-    gm = _hand_built()
-    cm = CostModel(PROFILE)
-    r = reorder(gm, cm, memory_budget_bytes=11 * MB + S)
-    [move] = r.moves
-    assert (move.kind, move.node, move.anchor, move.was) == ("prefetch", "all_gather_into_tensor", "mm", "wait_tensor")
-    assert (move.step_before, move.step_after, move.peak_after) == pytest.approx((5 * MS, 3 * MS, 11 * MB + S))
-    assert _order(gm)[:3] == ["all_gather_into_tensor", "mm", "sum_1"]
-    assert (r.step_before, r.step_after) == pytest.approx((5 * MS, 3 * MS))
-    assert simulate(gm, cm).step_time == pytest.approx(3 * MS)
-    assert r.peak_after == peak_memory(gm)[0] == 11 * MB + S
-
-
-@pytest.mark.parametrize("world_size, hardware", [(8, "h100-nvlink"), (1024, "h100-ib")])
-def test_captured_llama(world_size, hardware):
-    fw, bw, _ = captured(world_size)
+@pytest.mark.parametrize("world_size", [8, 1024])
+def test_captured_llama(world_size):
+    fw, bw, plan = captured(world_size)
+    schedule = _planned(plan, "h100-nvlink" if world_size == 8 else "h100-ib")
+    assert any(u.issue_at != i for i, u in enumerate(schedule.units))  # something to apply
     for gm in (fw, bw):
         new = copy_gm(gm)
-        before = simulate(gm, hardware)
-        r = reorder(new, hardware)
-        after = simulate(new, hardware)
-        assert r.moves, "the capture's schedule exposes every collective: something must move"
-        assert after.step_time == pytest.approx(r.step_after) and after.step_time < before.step_time
-        assert after.exposed_comm_time < before.exposed_comm_time
-        assert peak_memory(new)[0] <= peak_memory(gm)[0] == r.memory_budget
+        moves = apply_schedule(new.graph, schedule)
+        new.recompile()
+        assert moves
         for kind in ("all_gather", "reduce_scatter"):  # order within a kind is kept
-            assert [n.name for n in P.collectives(new.graph, kind)] == [n.name for n in P.collectives(gm.graph, kind)]
+            assert [P.fsdp_unit(n) for n in P.collectives(new.graph, kind)] == [
+                P.fsdp_unit(n) for n in P.collectives(gm.graph, kind)
+            ]
+        pos = {n: k for k, n in enumerate(new.graph.nodes)}
+        gathers = {P.fsdp_unit(n): n for n in P.collectives(new.graph, "all_gather")}
+        for i, ag in gathers.items():  # every prefetch lands before its anchor's wait
+            anchor = schedule.units[i].issue_at if gm is fw else schedule.units[i].backward_issue_at
+            if anchor != i and anchor in gathers:
+                assert pos[ag] < pos[P.wait_of(gathers[anchor])], (i, anchor)
         inputs = random_inputs(gm)
         assert same_outputs(EmulatedRanks(gm).run(*inputs), EmulatedRanks(new).run(*inputs))
-        if gm is bw:
-            assert any(m.kind == "sink_wait" for m in r.moves)
-            assert any(c.hidden > 0 for c in after.collectives if c.kind == "reduce_scatter")
-        assert any(c.hidden > 0 for c in after.collectives if c.kind == "all_gather")
+    kinds = {m.kind for m in apply_schedule(copy_gm(bw).graph, schedule)}
+    assert kinds == {"prefetch", "sink_wait"}
+
+
+def _capture(world_size, rank, model_fn, batch):
+    with fake_process_group(world_size, rank=rank):
+        torch.manual_seed(0)
+        model = model_fn()
+        compiled = fc.compile(model, config=AS_PLACED)
+        compiled(batch).float().sum().backward()
+        return compiled.captured.forward[0], compiled.captured.backward[0], compiled.plan
+
+
+def _llama():
+    m = Llama(LlamaArgs(n_layers=3))
+    return shard(m, m.layers)
+
+
+def _odd():
+    m = OddMLP()
+    return shard(m, m.blocks)
+
+
+@pytest.mark.parametrize(
+    "world_size, model_fn, batches",
+    [
+        # two ranks with different batch shapes: one token vs 4 x 32
+        (8, _llama, [((0, torch.randint(0, 256, (1, 1)))), (5, torch.randint(0, 256, (4, 32)))]),
+        # uneven shards: rank 0 holds rows that rank 3 does not (its shards are empty), other batch sizes too
+        (4, _odd, [(0, torch.randn(2, 6)), (3, torch.randn(7, 6))]),
+    ],
+    ids=["batch_shapes", "uneven_shards"],
+)
+def test_every_rank_issues_the_same_sequence(world_size, model_fn, batches):
+    """The graphs differ (activation shapes, pad nodes on short ranks); the collectives they issue, in order,
+    after the same schedule is applied, do not."""
+    graphs = [_capture(world_size, rank, model_fn, batch) for rank, batch in batches]
+    schedule = _planned(graphs[0][2])
+    assert schedule.digest() == _planned(graphs[1][2]).digest()
+    sequences = []
+    for fw, bw, _ in graphs:
+        seq = []
+        for gm in (fw, bw):
+            new = copy_gm(gm)
+            apply_schedule(new.graph, schedule)
+            seq.append(_sequence(new))
+        sequences.append(seq)
+    assert sequences[0] == sequences[1]
+    assert [fw.code for fw, _, _ in graphs][0] != [fw.code for fw, _, _ in graphs][1]  # the graphs themselves differ
+
+
+def test_nothing_moves_without_a_plan_to():
+    fw, bw, plan = captured(8)
+    schedule = plan_schedule(modules_of(plan), policy="fsdp_group", reorder=False, cost_model=CostModel("h100-nvlink"), workload=64)
+    for gm in (fw, bw):
+        new = copy_gm(gm)
+        assert apply_schedule(new.graph, schedule) == []
+        assert [n.name for n in new.graph.nodes] == [n.name for n in gm.graph.nodes]
+
+
+def test_sink_defers_a_wait_past_the_next_reduce_scatter():
+    _, bw, plan = captured(8)
+    schedule = _planned(plan)
+    units = [dataclasses.replace(u, issue_at=i, backward_issue_at=i, sink=0) for i, u in enumerate(schedule.units)]
+    units[4] = dataclasses.replace(units[4], sink=1)  # layers.3, the first reduce-scatter in backward
+    new = copy_gm(bw)
+    moves = apply_schedule(new.graph, dataclasses.replace(schedule, units=tuple(units)))
+    assert [(m.kind, m.unit) for m in moves] == [("sink_wait", 4)]
+    order = [n for n in new.graph.nodes if P.is_reduce_scatter(n) or P.is_wait(n)]
+    rs = {P.fsdp_unit(n): n for n in order if P.is_reduce_scatter(n)}
+    # layers.3's reduce-scatter is waited right before layers.2's is issued
+    assert order.index(P.wait_of(rs[4])) == order.index(rs[3]) - 1

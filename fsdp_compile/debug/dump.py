@@ -125,7 +125,7 @@ def schedule_rows(report: Report) -> dict:
             "as_captured_exposed_comm_ms": b["exposed_comm_time"] * 1e3,
             "peak_bytes": g["peak_after"],
             "peak_at": g["peak_node"],
-            "memory_budget_bytes": g["memory_budget"],
+            "comm_budget_bytes": g["comm_budget"],
             "buckets": g["buckets"],
             "moves": g["moves"],
             "collectives": [
@@ -150,7 +150,8 @@ def detailed_markdown(report: Report) -> str:
             "",
             f"Predicted step {g['predicted_step_ms']:.3f} ms, exposed communication {g['predicted_exposed_comm_ms']:.3f} ms "
             f"(as captured: {g['as_captured_step_ms']:.3f} ms, exposed {g['as_captured_exposed_comm_ms']:.3f} ms). "
-            f"Peak {g['peak_bytes'] / 2**20:.1f} MiB at `{g['peak_at']}` (budget {g['memory_budget_bytes'] / 2**20:.1f} MiB).",
+            f"Peak {g['peak_bytes'] / 2**20:.1f} MiB at `{g['peak_at']}` (the schedule's budget for gathered parameters "
+            f"and reduce-scatter buffers: {g['comm_budget_bytes'] / 2**20:.1f} MiB).",
             "",
             "| collective | kind | pg | MiB | FSDP modules | issued ms | wait node | waited ms | predicted ms | hidden ms | exposed ms |",
             "|---|---|---|---|---|---|---|---|---|---|---|",
@@ -162,15 +163,12 @@ def detailed_markdown(report: Report) -> str:
                 f"{', '.join(x or '<root>' for x in c['fsdp_groups'])} | {c['issue_ms']:.3f} | {c['wait']} | {waited} | "
                 f"{c['predicted_ms']:.3f} | {c['hidden_ms']:.3f} | {c['exposed_ms']:.3f} |"
             )
-        merged = [b for b in g["buckets"] if len(b["collectives"]) > 1]
-        lines += ["", f"Buckets: {len(g['buckets'])} collectives after bucketing, {len(merged)} of them merged."]
+        merged = [b for b in g["buckets"] if len(b["groups"]) > 1]
+        lines += ["", f"{len(g['buckets'])} FSDP collectives, {len(merged)} of them for several FSDP modules (buckets)."]
         for b in merged:
-            lines.append(
-                f"- {b['kind']} bucket of {', '.join(x or '<root>' for x in b['groups'])} ({b['bytes'] / 2**20:.2f} MiB): "
-                f"merged because the simulated step got faster and the predicted peak stayed within the budget"
-            )
+            lines.append(f"- {b['kind']} of {', '.join(x or '<root>' for x in b['groups'])} ({b['bytes'] / 2**20:.2f} MiB)")
         if g["moves"]:
-            lines += ["", "Reordering (each move kept only if the simulated step got faster within the budget):"]
+            lines += ["", "Moves made to follow the schedule (planned once, the same on every rank):"]
             lines += [f"- {render_move(m)}" for m in g["moves"]]
         lines.append("")
     return "\n".join(lines) + "\n"
@@ -178,12 +176,8 @@ def detailed_markdown(report: Report) -> str:
 
 def render_move(m: dict) -> str:
     """One ``reordering.Move`` (as a dict) as a sentence."""
-    if m["kind"] == "prefetch":
-        where = f"{m['node']}: issued before {m['anchor']} (was before {m['was']})"
-    else:
-        where = f"{m['node']}: waited after {m['anchor']} (was after {m['was']})"
-    return (f"{where}; step {m['step_before'] * 1e3:.3f} -> {m['step_after'] * 1e3:.3f} ms, "
-            f"peak {m['peak_after'] / 2**20:.1f} MiB")
+    what = "all-gather issued" if m["kind"] == "prefetch" else "reduce-scatter waited"
+    return f"unit {m['unit']}: {what} before {m['anchor']} ({m['node']}; was followed by {m['was']})"
 
 
 def render(out: str, report: Report) -> list[str]:

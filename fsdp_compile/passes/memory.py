@@ -22,7 +22,6 @@ from __future__ import annotations
 import torch.fx as fx
 
 from fsdp_compile.passes import _program
-from fsdp_compile.passes import predicates as P
 
 
 def memory_timeline(graph: fx.Graph | fx.GraphModule) -> list[int]:
@@ -41,16 +40,3 @@ def peak_memory(graph: fx.Graph | fx.GraphModule) -> tuple[int, fx.Node | None]:
         return 0, None
     peak = max(timeline)
     return peak, list(graph.nodes)[timeline.index(peak)]
-
-
-def default_memory_budget(graph: fx.Graph) -> int:
-    """The predicted peak of eager FSDP2 on this graph: ``peak_memory(graph)`` plus the largest all-gather.
-
-    The capture issues every all-gather just in time, holding one group's unsharded parameters at a
-    time; eager FSDP2 prefetches the next group's all-gather (in backward by default), so it holds up to
-    two. ``CompileConfig.memory_budget_gb=None`` means "no more than eager FSDP2".
-    """
-    if isinstance(graph, fx.GraphModule):
-        graph = graph.graph
-    largest = max((P.node_bytes(n) for n in P.collectives(graph, "all_gather")), default=0)
-    return peak_memory(graph)[0] + largest

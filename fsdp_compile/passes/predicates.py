@@ -25,7 +25,7 @@ import torch
 import torch.fx as fx
 
 # the annotation's readers, public here for every pass
-from fsdp_compile._annotations import fsdp_group, fsdp_groups, fsdp_meta, gradient_dependent  # noqa: F401
+from fsdp_compile._annotations import fsdp_group, fsdp_groups, fsdp_meta, fsdp_unit, gradient_dependent  # noqa: F401
 
 _c10d = torch.ops._c10d_functional
 

@@ -1,23 +1,21 @@
-"""Reordering: prefetch all-gathers and sink reduce-scatter waits, within a memory budget.
+"""Reordering: apply a schedule's prefetches and deferred waits to one graph.
 
-The capture issues every collective where FSDP2's hooks would and waits for it at once (see
-``placement.place_collectives``), so no communication overlaps compute. This pass, run after bucketing:
+After placement every collective sits where FSDP2's hooks issue it and is waited at once::
 
-1. **prefetches all-gathers**: each all-gather (with the copy-in nodes that feed it) moves up past the
-   compute before it, as early as the memory budget allows, but never above the previous all-gather:
-   all-gathers keep their order, so ``ag1 -> mm0 -> wait ag1`` becomes
-   ``ag1 -> ag2 -> mm0 -> wait ag1 -> mm1 (hides ag2) -> wait ag2``. Its wait stays before its first use;
-2. **sinks reduce-scatter waits**: each reduce-scatter's wait (with the unpack nodes that read it) moves
-   down, as late as the budget allows (the reduce-scatter's input stays alive until its wait), but never
-   below the next reduce-scatter's wait: the reduce-scatter then overlaps the compute that follows it.
+    [copy-in j, AG j, wait j, copy-out j] compute j [copy-in i, AG i, wait i, copy-out i] compute i
 
-A move is kept only if the simulated step (``simulate``) gets faster. Memory is ``memory.peak_memory``'s
-model; the budget defaults to the input graph's peak (the pass never raises it).
+``apply_schedule`` then, for every unit the schedule (``schedule.Schedule``) prefetches, moves its
+all-gather with the copy-in that feeds it to just before the wait of the unit it is anchored at::
 
-Collectives of one kind keep their order; an all-gather may move above a reduce-scatter (FSDP2 itself
-issues the next block's all-gather before the current block's reduce-scatter in backward). Every decision
-is a function of the graph and the arguments, so all ranks reorder their identical graphs identically.
-Numerics are unchanged: only the positions of nodes change, never what they compute.
+    [copy-in j, AG j, copy-in i, AG i, wait j, copy-out j] compute j (hides AG i) [wait i, copy-out i] compute i
+
+and for every reduce-scatter with ``sink = s`` moves its wait, and the unpack that reads it, to just
+before the s-th later reduce-scatter (after its pack), or to the end of the graph.
+
+Every move is named by the schedule's units, which every rank holds identically, and anchored at other
+collectives, whose relative order is the graph's structure, so every rank issues the same collectives
+in the same order, whatever its shapes. A move that would carry a collective, a wait, a graph input or
+a side effect along is not made (on every rank alike). Numerics are unchanged: only positions change.
 """
 
 from __future__ import annotations
@@ -26,184 +24,108 @@ import dataclasses
 
 import torch.fx as fx
 
-from fsdp_compile.passes import _program
 from fsdp_compile.passes import predicates as P
-from fsdp_compile.passes.cost_model import CostModel, HardwareProfile, cost_model_for
+from fsdp_compile.passes.schedule import Schedule, backward_order
 
 
 @dataclasses.dataclass(frozen=True)
 class Move:
-    """One kept move: plain data (the report renders it)."""
+    """One move made: plain data (the report renders it)."""
 
     kind: str  # "prefetch" (an all-gather and its copy-in issued earlier) | "sink_wait" (a wait and its readers later)
+    unit: int  # the schedule's unit
     node: str  # the collective (prefetch) or wait (sink_wait) whose chain moved
-    anchor: str  # the chain now sits right before this node (prefetch) or right after it (sink_wait)
-    was: str  # ... and used to sit right before (prefetch) / after (sink_wait) this one
-    step_before: float  # simulated step, seconds: why the move was kept (it got faster ...)
-    step_after: float
-    peak_after: int  # ... and the predicted peak stayed within the budget (bytes)
+    anchor: str  # the chain now sits right before this node
+    was: str  # ... and used to be followed by this one
 
 
-@dataclasses.dataclass
-class ReorderResult:
-    moves: list[Move]
-    step_before: float  # simulated seconds
-    step_after: float
-    peak_before: int  # bytes, memory.peak_memory
-    peak_after: int
-    memory_budget: int
+def _units(graph: fx.Graph, pred) -> dict[int, fx.Node]:
+    return {P.fsdp_unit(n): n for n in graph.nodes if pred(n) and P.fsdp_unit(n) is not None}
 
 
-def _move(ops: list[_program.Op], names: list[str], before: str | None, after: str | None = None) -> list[_program.Op]:
-    """``ops`` with the ops named ``names`` (in their order) moved right before ``before`` / after ``after``."""
-    moving = set(names)
-    picked = [op for op in ops if op.name in moving]
-    out = []
-    for op in ops:
-        if op.name == before:
-            out.extend(picked)
-        if op.name not in moving:
-            out.append(op)
-        if op.name == after:
-            out.extend(picked)
-    return out
+def _chain(start: fx.Node, step, inside, pos) -> list[fx.Node] | None:
+    """``start`` and the nodes reachable through ``step`` while ``inside``, in program order; None if one
+    of them may not move (``predicates.is_fixed``)."""
+    chain, seen, stack = [], set(), [start]
+    while stack:
+        n = stack.pop()
+        if n in seen or not inside(n):
+            continue
+        seen.add(n)
+        if n is not start and (P.is_fixed(n) or n.op == "output"):
+            return None
+        chain.append(n)
+        stack.extend(step(n))
+    return sorted(chain, key=pos.__getitem__)
 
 
-class _Reorderer:
-    def __init__(self, graph: fx.Graph, cm: CostModel, budget: int | None):
-        self.graph, self.cm = graph, cm
-        self.ops = _program.lower(self.graph, cm)
-        self.step, self.peak = self.evaluate(self.ops)
-        self.budget = self.peak if budget is None else budget
-        self.moves: list[Move] = []
-
-    def evaluate(self, ops) -> tuple[float, int]:
-        return _program.run(ops, self.cm.profile.op_overhead)[0], max(_program.timeline(ops), default=0)
-
-    def positions(self) -> dict[fx.Node, int]:
-        return {n: i for i, n in enumerate(self.graph.nodes)}
-
-    def try_moves(self, candidates: list[tuple[list[fx.Node], fx.Node | None, fx.Node | None]], kind: str) -> bool:
-        """Apply the most aggressive candidate move (nodes, before, after) within the budget, if it is faster.
-
-        ``candidates`` run from the most to the least aggressive; a binary search finds the first one within
-        the budget (memory grows monotonically with the distance moved). It is kept only if the simulated
-        step gets faster; otherwise nothing moves.
-        """
-        def ops_of(c):
-            nodes, before, after = c
-            return _move(self.ops, [n.name for n in nodes], before.name if before else None, after.name if after else None)
-
-        lo, hi = 0, len(candidates)  # first index whose peak fits
-        cache = {}
-        while lo < hi:
-            mid = (lo + hi) // 2
-            cache[mid] = ops_of(candidates[mid])
-            _, peak = self.evaluate(cache[mid])
-            if peak <= self.budget:
-                hi = mid
-            else:
-                lo = mid + 1
-        if lo == len(candidates):
-            return False
-        ops = cache.get(lo) or ops_of(candidates[lo])
-        step, peak = self.evaluate(ops)
-        if not step < self.step:
-            return False
-        nodes, before, after = candidates[lo]
-        old = nodes[-1].next if kind == "prefetch" else nodes[0].prev
-        if before is not None:
-            for n in nodes:
-                before.prepend(n)
-        else:
-            anchor = after
-            for n in nodes:
-                anchor.append(n)
-                anchor = n
-        lead = nodes[-1] if kind == "prefetch" else nodes[0]
-        anchor = before if before is not None else after
-        self.moves.append(Move(kind, lead.name, anchor.name, old.name, self.step, step, peak))
-        self.ops, self.step, self.peak = ops, step, peak
-        return True
-
-    def prefetch_all_gathers(self) -> None:
-        ags = P.collectives(self.graph, "all_gather")
-        for i, ag in enumerate(ags):
-            pos = self.positions()
-            nodes = list(self.graph.nodes)
-            placeholders = [pos[n] for n in self.graph.find_nodes(op="placeholder")]
-            floor = pos[ags[i - 1]] if i else max(placeholders, default=-1)
-            # ag's producers after the floor: they move with it; a wait or collective among them is a wall
-            chain, wall = self._closure(ag, lambda n: n.all_input_nodes, lambda n: pos[n] > floor)
-            first = min(pos[n] for n in chain)
-            lowest = max([floor, *(pos[n] for n in wall)]) + 1
-            candidates = []  # earliest first
-            for p in range(lowest, first):
-                candidates.append(([n for n in chain if pos[n] >= p], nodes[p], None))
-            self.try_moves(candidates, "prefetch")
-
-    def sink_reduce_scatter_waits(self) -> None:
-        rss = P.collectives(self.graph, "reduce_scatter")
-        for i, rs in enumerate(rss):
-            wait = P.wait_of(rs)
-            if wait is None:
-                continue
-            pos = self.positions()
-            nodes = list(self.graph.nodes)
-            nxt = P.wait_of(rss[i + 1]) if i + 1 < len(rss) else None
-            ceiling = pos[nxt] if nxt is not None else len(nodes) - 1  # the next wait, or the output node
-            # the wait's readers before the ceiling move with it; a collective or wait among them is a wall
-            chain, wall = self._closure(wait, lambda n: n.users, lambda n: pos[n] < ceiling)
-            highest = min([ceiling, *(pos[n] for n in wall)]) - 1
-            members = set(chain)
-            candidates = []  # latest first
-            for p in range(highest, pos[wait], -1):
-                if nodes[p] not in members:
-                    candidates.append(([n for n in chain if pos[n] <= p], None, nodes[p]))
-            self.try_moves(candidates, "sink_wait")
-
-    def _closure(self, start: fx.Node, step, inside) -> tuple[list[fx.Node], list[fx.Node]]:
-        """Nodes reachable from ``start`` through ``step`` while ``inside``: (movable ones in order, walls)."""
-        pos = self.positions()
-        chain, wall, seen, stack = [], [], set(), [start]
-        while stack:
-            n = stack.pop()
-            if n in seen or not inside(n):
-                continue
-            seen.add(n)
-            if n is not start and P.is_fixed(n):
-                wall.append(n)
-                continue
-            chain.append(n)
-            stack.extend(step(n))
-        return sorted(chain, key=pos.__getitem__), wall
+def _after(chain: list[fx.Node]) -> fx.Node:
+    """The first node after the chain's last one that is not in the chain."""
+    members, n = set(chain), chain[-1].next
+    while n in members:
+        n = n.next
+    return n
 
 
-def reorder(
-    gm: fx.GraphModule | fx.Graph,
-    cost_model: CostModel | HardwareProfile | str = "auto",
-    *,
-    memory_budget_bytes: int | None = None,
-    prefetch: bool = True,
-    sink_waits: bool = True,
-) -> ReorderResult:
-    """Prefetch all-gathers and sink reduce-scatter waits in ``gm`` (in place, recompiled if a
-    GraphModule; see the module docstring).
+def _move_before(chain: list[fx.Node], anchor: fx.Node) -> None:
+    for n in chain:
+        anchor.prepend(n)
 
-    ``memory_budget_bytes``: the predicted peak (``memory.peak_memory``) must stay under it; ``None``
-    means the input graph's predicted peak.
-    """
-    graph = gm.graph if isinstance(gm, fx.GraphModule) else gm
-    cm = cost_model_for(cost_model, graph)
-    r = _Reorderer(graph, cm, memory_budget_bytes)
-    step0, peak0 = r.step, r.peak
-    if r.peak > r.budget:  # nothing to move within a budget the input already exceeds
-        return ReorderResult([], step0, step0, peak0, peak0, r.budget)
-    if prefetch:
-        r.prefetch_all_gathers()
-    if sink_waits:
-        r.sink_reduce_scatter_waits()
+
+def apply_schedule(graph: fx.Graph, schedule: Schedule) -> list[Move]:
+    """Move, in place, this graph's collectives to the schedule's points; returns the moves made."""
+    moves: list[Move] = []
+    units = schedule.units
+    gathers = _units(graph, P.is_all_gather)
+    backward = bool(P.gradient_dependent(graph))
+    if backward:
+        order = [i for i in backward_order(units) if i in gathers]
+        start = next(n for n in graph.nodes if n.op != "placeholder")
+        first = backward_order(units)[0] if units else None
+
+        def anchor_of(i: int) -> fx.Node | None:
+            j = units[i].backward_issue_at
+            if j in gathers and j != i:
+                return P.wait_of(gathers[j])
+            return start if j == first and j != i else None
+    else:
+        order = sorted(gathers)
+
+        def anchor_of(i: int) -> fx.Node | None:
+            j = units[i].issue_at
+            return P.wait_of(gathers[j]) if j in gathers and j != i else None
+
+    for i in order:  # in issue order: units anchored at the same point stay in order
+        anchor = anchor_of(i)
+        ag = gathers[i]
+        if anchor is None:
+            continue
+        pos = {n: x for x, n in enumerate(graph.nodes)}
+        if pos[anchor] > pos[ag]:
+            continue
+        chain = _chain(ag, lambda n: n.all_input_nodes, lambda n: pos[n] > pos[anchor], pos)
+        if chain:
+            was = _after(chain)
+            _move_before(chain, anchor)
+            moves.append(Move("prefetch", i, ag.name, anchor.name, was.name))
+
+    scatters = _units(graph, P.is_reduce_scatter)
+    pos = {n: x for x, n in enumerate(graph.nodes)}
+    seq = sorted(scatters, key=lambda u: pos[scatters[u]])
+    output = graph.output_node()
+    for k, c in enumerate(seq):
+        sink = units[c].sink
+        wait = P.wait_of(scatters[c])
+        if sink <= 0 or wait is None:
+            continue
+        target = scatters[seq[k + sink]] if k + sink < len(seq) else output
+        pos = {n: x for x, n in enumerate(graph.nodes)}
+        if pos[target] < pos[wait]:
+            continue
+        chain = _chain(wait, lambda n: n.users, lambda n: pos[n] < pos[target], pos)
+        if chain:
+            was = _after(chain)
+            _move_before(chain, target)
+            moves.append(Move("sink_wait", c, wait.name, target.name, was.name))
     graph.lint()
-    if isinstance(gm, fx.GraphModule):
-        gm.recompile()
-    return ReorderResult(r.moves, step0, r.step, peak0, r.peak, r.budget)
+    return moves

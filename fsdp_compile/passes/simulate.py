@@ -15,7 +15,7 @@ Example (``tests/test_passes_simulate.py``)::
     ag1 -> mm0 (hides ag1) -> wait ag1 -> mm1
 
 ``ag1`` runs alongside ``mm0``; if it is longer, the wait exposes the difference.
-The result is plain data (``Schedule.to_dict()`` is JSON-serializable) naming nodes and FSDP groups.
+The result is plain data (``Simulation.to_dict()`` is JSON-serializable) naming nodes and FSDP groups.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class CollectiveTiming:
 
 
 @dataclasses.dataclass
-class Schedule:
+class Simulation:
     step_time: float  # seconds: compute stream and all communication streams done
     compute_time: float  # seconds the compute stream is busy (including collective launches)
     comm_time: float  # sum of collective durations
@@ -67,7 +67,7 @@ class Schedule:
         return json.dumps(self.to_dict(), **kwargs)
 
 
-def simulate(graph: fx.Graph | fx.GraphModule, cost_model: CostModel | HardwareProfile | str = "auto") -> Schedule:
+def simulate(graph: fx.Graph | fx.GraphModule, cost_model: CostModel | HardwareProfile | str = "auto") -> Simulation:
     """Predicted time of one execution of ``graph`` in node order (see the module docstring)."""
     if isinstance(graph, fx.GraphModule):
         graph = graph.graph
@@ -75,7 +75,7 @@ def simulate(graph: fx.Graph | fx.GraphModule, cost_model: CostModel | HardwareP
     return schedule_of(_program.lower(graph, cm), cm)
 
 
-def schedule_of(ops: list[_program.Op], cm: CostModel) -> Schedule:
+def schedule_of(ops: list[_program.Op], cm: CostModel) -> Simulation:
     step, busy, timings = _program.run(ops, cm.profile.op_overhead)
     colls = []
     for ct in timings:
@@ -98,7 +98,7 @@ def schedule_of(ops: list[_program.Op], cm: CostModel) -> Schedule:
                 hidden=max(0.0, ct.op.cost - ct.exposed),
             )
         )
-    return Schedule(
+    return Simulation(
         step_time=step,
         compute_time=busy,
         comm_time=sum(c.duration for c in colls),

@@ -1,0 +1,155 @@
+"""The communication schedule: plain data over FSDP modules, planned from rank-invariant inputs only.
+
+Hand-checked program (``passes_helpers.PROFILE``: 1 TFLOP/s, free launches, a 0.5 GB/s link with 1 ms per
+ring step; two modules M0, M1 of one 1 MB parameter each, 2 GFLOP forward and 4 GFLOP backward each, at
+world size 2, so every all-gather and reduce-scatter takes 1 ms + 1 MB / 2 / 0.5 GB/s = 2 ms)::
+
+    forward, just in time:  AG0 (2, exposed) M0 (2) AG1 (2, exposed) M1 (2)            8 ms, 4 exposed
+    forward, planned:       AG0 AG1 | wait AG0 (2) M0 (2, hides AG1) M1 (2)            6 ms, 2 exposed
+    backward, just in time: AG1 (2) M1 (4) RS1 (2) AG0 (2) M0 (4) RS0 (2)              16 ms, 8 exposed
+    backward, planned:      AG1 AG0 | wait AG1 (2) M1 (4, hides AG0) RS1 M0 (4, hides RS1) RS0 (2)   12 ms, 4 exposed
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from dist_helpers import fake_process_group
+from fsdp_compile.passes.cost_model import CostModel
+from fsdp_compile.passes.schedule import Module, eager_fsdp2, modules_of, plan_schedule, predict
+from fsdp_compile.plan import read_plan
+from models import Llama, LlamaArgs, OddMLP, shard
+from passes_helpers import PROFILE
+
+MB = 1_000_000
+MS = 1e-3
+KEY = ("pg", 2, True, torch.float32, None, torch.float32, "avg", None, None)
+
+
+def module(fqn: str, **kw) -> Module:
+    fields = dict(
+        fqn=fqn, key=KEY, params=(f"{fqn}.w",), param_bytes=(MB,), reduce_bytes=(MB,), flops_per_token=(2_000_000,),
+        process_group="pg", world_size=2, reshard_after_forward=True, holds_children=False, lowp=False,
+    )
+    return Module(**{**fields, **kw})
+
+
+def steps(pred: dict) -> tuple[float, ...]:
+    f, b = pred["forward"], pred["backward"]
+    return (f["step_s"], f["exposed_s"], b["step_s"], b["exposed_s"])
+
+
+def test_hand_checked_program():
+    mods = [module("m0"), module("m1")]
+    cm = CostModel(PROFILE)
+    s = plan_schedule(mods, policy="fsdp_group", reorder=True, cost_model=cm, workload=1000)
+    assert steps(s.predicted["as_placed"]) == pytest.approx((8 * MS, 4 * MS, 16 * MS, 8 * MS))
+    assert steps(s.predicted["planned"]) == pytest.approx((6 * MS, 2 * MS, 12 * MS, 4 * MS))
+    # M1's all-gather at M0's first use; M0's re-gather at M1's backward start; RS1 waited before RS0
+    assert [(u.issue_at, u.backward_issue_at, u.sink) for u in s.units] == [(0, 1, 0), (0, 1, 1)]
+    # memory: eager FSDP2 holds two gathered modules in backward (its default prefetch), so may we
+    assert s.comm_budget_bytes == 2 * MB == max(p["comm_peak_bytes"] for p in s.predicted["planned"].values())
+    # without reordering nothing moves
+    jit = plan_schedule(mods, policy="fsdp_group", reorder=False, cost_model=cm, workload=1000)
+    assert [(u.issue_at, u.backward_issue_at, u.sink) for u in jit.units] == [(0, 0, 0), (1, 1, 0)]
+    assert steps(jit.predicted["planned"]) == steps(s.predicted["as_placed"])
+
+
+def test_memory_budget():
+    mods = [module("m0"), module("m1")]
+    cm = CostModel(PROFILE)
+    tight = plan_schedule(mods, policy="fsdp_group", reorder=True, cost_model=cm, workload=1000, memory_budget_bytes=MB)
+    # only 1 MB may be gathered at once: no prefetch, and every reduce-scatter waited before the next gather
+    assert [(u.issue_at, u.backward_issue_at) for u in tight.units] == [(0, 0), (1, 1)]
+    assert max(p["comm_peak_bytes"] for p in tight.predicted["planned"].values()) <= MB
+    with pytest.raises(ValueError, match=r"memory_budget_gb=.* below the 0\.95 MiB .* raise it, or leave it None"):
+        plan_schedule(mods, policy="fsdp_group", reorder=True, cost_model=cm, workload=1000, memory_budget_bytes=MB // 2)
+
+
+def test_fsdp2_prefetch_settings_are_honored():
+    """FSDP2's set_modules_to_forward_prefetch / set_modules_to_backward_prefetch: module A gathers its
+    targets when A starts, with or without our own reordering."""
+    mods = [module("m0", forward_prefetch=("m2",)), module("m1"), module("m2", backward_prefetch=("m0",)), module("m3")]
+    for reorder in (False, True):
+        s = plan_schedule(mods, policy="fsdp_group", reorder=reorder, cost_model=CostModel(PROFILE), workload=1000)
+        assert s.units[2].issue_at == 0
+        assert s.units[0].backward_issue_at == 2
+    s = plan_schedule(mods, policy="fsdp_group", reorder=False, cost_model=CostModel(PROFILE), workload=1000)
+    assert [u.issue_at for u in s.units] == [0, 1, 0, 3]  # nothing else moves without reordering
+
+
+def _llama_modules(world_size: int, rank: int = 0, n_layers: int = 4, **kw):
+    with fake_process_group(world_size, rank=rank):
+        torch.manual_seed(0)
+        m = Llama(LlamaArgs(n_layers=n_layers))
+        shard(m, m.layers, **kw)
+        return modules_of(read_plan(m))
+
+
+def test_policies():
+    mods = _llama_modules(8)
+    cm = CostModel("h100-nvlink")
+
+    def members(policy):
+        return [u.members for u in plan_schedule(mods, policy=policy, reorder=True, cost_model=cm, workload=64).units]
+
+    assert members("fsdp_group") == [("",), ("layers.0",), ("layers.1",), ("layers.2",), ("layers.3",)]
+    per_param = plan_schedule(mods, policy="none", reorder=True, cost_model=cm, workload=64).units
+    assert len(per_param) == 3 + 4 * 9 and all(u.param is not None for u in per_param)
+    assert members([["layers.0", "layers.1"], ["layers.3"]]) == [("",), ("layers.0", "layers.1"), ("layers.2",), ("layers.3",)]
+    # the root keeps fully_shard's default of not resharding, the blocks reshard: one all-gather cannot do both
+    with pytest.raises(ValueError, match=r"bucket \['', 'layers.0'\] mixes .* differ in reshard_after_forward; split it"):
+        members([["", "layers.0"]])
+    with pytest.raises(ValueError, match="names 'layers.9', which is not an FSDP module"):
+        members([["layers.9"]])
+    with pytest.raises(ValueError, match="names 'layers.1' twice"):
+        members([["layers.1"], ["layers.1", "layers.2"]])
+    bf16 = [dataclasses.replace(m, key=m.key[:4] + (torch.bfloat16,) + m.key[5:]) if m.fqn == "layers.1" else m for m in mods]
+    with pytest.raises(ValueError, match=r"differ in MixedPrecisionPolicy.param_dtype"):
+        plan_schedule(bf16, policy=[["layers.0", "layers.1"]], reorder=True, cost_model=cm, workload=64)
+
+
+def test_auto_merges_small_modules_when_latency_dominates():
+    """Tiny modules over 1024 ranks across nodes: each collective is mostly ring latency, so buckets pay;
+    a cap keeps every bucket under it."""
+    mods = _llama_modules(1024)
+    cm = CostModel("h100-ib")
+    s = plan_schedule(mods, policy="auto", reorder=True, cost_model=cm, workload=64)
+    assert len(s.units) < len(mods) and sum(len(u.members) for u in s.units) == len(mods)
+    assert sum(steps(s.predicted["planned"])[0::2]) < sum(steps(plan_schedule(
+        mods, policy="fsdp_group", reorder=True, cost_model=cm, workload=64).predicted["planned"])[0::2])
+    cap = max(m.param_bytes[0] for m in mods) * 2
+    capped = plan_schedule(mods, policy="auto", reorder=True, cost_model=cm, workload=64, bucket_cap_bytes=cap)
+    assert all(u.all_gather_bytes <= cap for u in capped.units if len(u.members) > 1)
+
+
+@pytest.mark.parametrize("world_size, ranks", [(4, (0, 3)), (1024, (0, 1023))])
+def test_same_plan_on_every_rank(world_size, ranks):
+    """Uneven shards (ranks past the last row hold nothing) change every rank's local shapes, not the plan."""
+    plans = []
+    for rank in ranks:
+        with fake_process_group(world_size, rank=rank):
+            torch.manual_seed(0)
+            odd = OddMLP()
+            plans.append(plan_schedule(
+                modules_of(read_plan(shard(odd, odd.blocks))), policy="auto", reorder=True,
+                cost_model=CostModel("h100-ib"), workload=4,
+            ))
+    assert plans[0].digest() == plans[1].digest()
+    assert _llama_modules(world_size, ranks[0]) == _llama_modules(world_size, ranks[1])
+
+
+def test_eager_fsdp2_reference():
+    """Eager FSDP2 on the same program: no forward prefetch, the next module prefetched in backward."""
+    mods = _llama_modules(8)
+    units = eager_fsdp2(mods)
+    assert [u.issue_at for u in units] == list(range(5))
+    # backward order: the root (its head) first, then the blocks in reverse; each gathers the next
+    assert [units[i].backward_issue_at for i in (4, 3, 2, 1)] == [0, 4, 3, 2]
+    pred = predict(units, mods, CostModel("h100-nvlink"), 64)
+    assert pred["backward"]["exposed_s"] < predict(
+        [dataclasses.replace(u, backward_issue_at=i) for i, u in enumerate(units)], mods, CostModel("h100-nvlink"), 64
+    )["backward"]["exposed_s"]
