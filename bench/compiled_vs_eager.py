@@ -1,21 +1,24 @@
 """Eager FSDP2 versus torch.compile versus fsdp_compile on the same model, data and machine.
 
-    torchrun --nproc-per-node 2 bench/compiled_vs_eager.py [--size tiny|small] [--steps 20] [--quick]
+    torchrun --nproc-per-node 2 bench/compiled_vs_eager.py [--model small|tiny|hf-llama] [--steps 20] [--quick]
 
+Models: ``small``/``tiny`` (fsdp_compile.models.Llama), ``hf-llama`` (transformers' LlamaForCausalLM: hidden 256,
+intermediate 688, 8 heads, vocab 4096, 4 layers, sdpa; batch 4 x 128 unless set).
 Variants (each its own model from the same seed, AdamW, the same batches):
-  eager           torch's fully_shard, no compile
-  torch.compile   torch.compile(model) on the fully_shard model: FSDP2's hooks stay eager (graph breaks)
-  fc:none         fsdp_compile.compile(model, bucket="none"): one all-gather/reduce-scatter per parameter
-  fc:fsdp_group   one per FSDP module, where eager FSDP2 issues them
-  fc:auto         cost-model bucketing
-  fc:auto+reorder cost-model bucketing, then prefetching all-gathers and sinking waits
+  eager             torch's fully_shard, no compile
+  torch.compile     torch.compile(model) on the fully_shard model: FSDP2's hooks stay eager (graph breaks)
+  compute-only      the same model unsharded, torch.compile'd, no collectives: the bound a perfect overlap
+                    of communication would reach (every rank computes its own batch, as in the others)
+  fc                fsdp_compile.compile(model): the default (bucket="auto", reorder=True, regions)
+  fc:fsdp_group     one collective per FSDP module, where eager FSDP2 issues them (reorder=False)
+  fc:no-regions     the default without regions (every block compiled on its own)
 Per variant: first-step time (includes the compile, from a cold Inductor cache unless --warm-cache),
 median and p10/p90 step time over timed steps run in interleaved windows (drift hits every variant
 alike), the cost model's predicted step time next to it (cpu-gloo on CPU; for eager: the same graphs
 with collectives where eager issues them), collectives per step (Python c10d calls, i.e. eager hooks,
 and collectives inside compiled graphs), peak step memory (tensor bytes allocated by one step above
 those live before it), final loss versus eager.
-Writes bench/results/compiled_vs_eager.json and .png. Gloo on CPU; NCCL when CUDA is present.
+Writes bench/results/compiled_vs_eager_<model>.json and .png. Gloo on CPU; NCCL when CUDA is present.
 """
 
 from __future__ import annotations
@@ -43,19 +46,39 @@ from fsdp_compile.debug.eager_calls import count_eager_collectives  # noqa: E402
 from fsdp_compile.models import SIZES, Llama, llama_blocks  # noqa: E402
 from fsdp_compile.report import count_collectives  # noqa: E402
 
-def build(size: str, device: torch.device):
+HF_VOCAB = 4096
+
+
+def build(model_name: str, device: torch.device, sharded: bool = True):
     torch.manual_seed(0)
     with torch.device(device):
-        model = Llama(SIZES[size])
-    for block in llama_blocks(model):
+        if model_name == "hf-llama":
+            from transformers import LlamaConfig, LlamaForCausalLM
+
+            cfg = LlamaConfig(vocab_size=HF_VOCAB, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                              num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=256,
+                              attn_implementation="sdpa")
+            model, blocks = LlamaForCausalLM(cfg), None
+            blocks = list(model.model.layers)
+        else:
+            model = Llama(SIZES[model_name])
+            blocks = llama_blocks(model)
+    if not sharded:
+        return model
+    for block in blocks:
         fully_shard(block)
     return fully_shard(model)
 
 
+def logits_of(model_name: str, out):
+    return out.logits if model_name == "hf-llama" else out
+
+
 class Variant:
-    def __init__(self, name: str, size: str, device: torch.device, make):
+    def __init__(self, name: str, model_name: str, device: torch.device, make, sharded: bool = True):
         self.name = name
-        self.model = build(size, device)
+        self.model_name = model_name
+        self.model = build(model_name, device, sharded)
         self.runner = make(self.model)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=3e-3)
         self.times: list[float] = []
@@ -67,7 +90,7 @@ class Variant:
     def step(self, tokens: torch.Tensor) -> float:
         dist.barrier()
         t0 = time.perf_counter()
-        logits = self.runner(tokens[:, :-1])
+        logits = logits_of(self.model_name, self.runner(tokens[:, :-1]))
         loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
         loss.backward()
         self.opt.step()
@@ -106,12 +129,12 @@ def batch(step: int, rank: int, vocab: int, device, batch_size: int, seq: int):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size", default="small", choices=sorted(SIZES))
+    ap.add_argument("--model", default="small", choices=[*sorted(SIZES), "hf-llama"])
     ap.add_argument("--steps", type=int, default=20, help="timed steps per variant (after 2 warm-up steps)")
     ap.add_argument("--window", type=int, default=5, help="steps per interleaved window")
     ap.add_argument("--backend", default="inductor", choices=["inductor", "aot_eager"])
     ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--seq", type=int, default=None, help="tokens per sequence (64; 128 for hf-llama)")
     ap.add_argument("--quick", action="store_true", help="tiny model, 10 timed steps: a few minutes on 2 CPU ranks")
     ap.add_argument("--variants", nargs="*", help="fsdp_compile variants to run (default: all)")
     ap.add_argument("--warm-cache", action="store_true", help="reuse Inductor's on-disk caches (default: a fresh, cold cache)")
@@ -120,7 +143,9 @@ def main():
     if "RANK" not in os.environ:
         ap.error("launch with torchrun, e.g.: torchrun --nproc-per-node 2 bench/compiled_vs_eager.py --quick")
     if args.quick:
-        args.size, args.steps, args.window = "tiny", 10, 5
+        args.model, args.steps, args.window = "tiny", 10, 5
+    if args.seq is None:
+        args.seq = 128 if args.model == "hf-llama" else 64
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -130,24 +155,25 @@ def main():
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     rank, world = dist.get_rank(), dist.get_world_size()
     say = print if rank == 0 else (lambda *a, **k: None)
-    vocab = SIZES[args.size].vocab
+    vocab = HF_VOCAB if args.model == "hf-llama" else SIZES[args.model].vocab
 
     makers = {
         "eager": lambda m: m,
         "torch.compile": lambda m: torch.compile(m, backend=args.backend),
+        "compute-only": lambda m: torch.compile(m, backend=args.backend),
     }
     skipped: dict[str, str] = {}
     for name, overrides in {
-        "fc:none": dict(bucket="none"),
-        "fc:fsdp_group": dict(bucket="fsdp_group"),
-        "fc:auto": dict(bucket="auto"),
-        "fc:auto+reorder": dict(bucket="auto", reorder=True),
+        "fc": dict(),
+        "fc:fsdp_group": dict(bucket="fsdp_group", reorder=False),
+        "fc:no-regions": dict(regions=False),
     }.items():
         if args.variants and name not in args.variants:
             continue
         makers[name] = lambda m, o=overrides: fc.compile(m, backend=args.backend, **o)
-    variants = [Variant(name, args.size, device, make) for name, make in makers.items()]
-    say(f"compiled_vs_eager: Llama '{args.size}', {world} ranks ({'nccl' if cuda else 'gloo'}), backend={args.backend}")
+    variants = [Variant(name, args.model, device, make, sharded=name != "compute-only") for name, make in makers.items()]
+    say(f"compiled_vs_eager: '{args.model}', {world} ranks ({'nccl' if cuda else 'gloo'}), backend={args.backend}, "
+        f"batch {args.batch} x {args.seq}")
     for name, why in skipped.items():
         say(f"  skipped {name}: {why}")
 
@@ -213,12 +239,14 @@ def main():
             f"{r['ratio_vs_eager']:.2f}x | {'-' if r['predicted_step_ms'] is None else format(r['predicted_step_ms'], '.1f')} | {r['first_step_s']:.1f} | {r['eager_c10d_calls_per_step']} | {graph} | "
             f"{r['peak_bytes'] / 2**20:.1f} | {r['final_loss']:.5f} ({r['final_loss_delta_vs_eager']:.1e}) |"
         )
-    tc = results.get("torch.compile")
+    tc, bound = results.get("torch.compile"), results.get("compute-only")
     for name, r in results.items():
-        if name.startswith("fc:") and tc:
+        if name.startswith("fc") and tc:
             say(
-                f"{name}: {r['ratio_vs_eager']:.2f}x eager, {r['median_step_s'] / tc['median_step_s']:.2f}x torch.compile step time, "
-                f"first step {r['first_step_s'] / tc['first_step_s']:.2f}x torch.compile's"
+                f"{name}: {r['ratio_vs_eager']:.2f}x eager, {r['median_step_s'] / bound['median_step_s']:.2f}x the compute-only "
+                f"bound, {r['median_step_s'] / tc['median_step_s']:.2f}x torch.compile step time; peak "
+                f"{r['peak_bytes'] / results['eager']['peak_bytes']:.2f}x eager's; first step "
+                f"{r['first_step_s'] / tc['first_step_s']:.2f}x torch.compile's"
             )
     if rank == 0:
         payload = {
@@ -229,17 +257,18 @@ def main():
             "skipped": skipped,
             "variants": results,
         }
-        H.write_json(os.path.join(args.out, "compiled_vs_eager.json"), payload)
+        stem = f"compiled_vs_eager_{args.model}"
+        H.write_json(os.path.join(args.out, f"{stem}.json"), payload)
         names = list(results)
         H.bar_chart(
-            os.path.join(args.out, "compiled_vs_eager.png"),
+            os.path.join(args.out, f"{stem}.png"),
             names,
             [results[n]["median_step_s"] * 1e3 for n in names],
             [(results[n]["p10_step_s"] * 1e3, results[n]["p90_step_s"] * 1e3) for n in names],
-            f"Llama '{args.size}', {world} ranks, {device.type}: step time (median, p10-p90)",
+            f"'{args.model}', {world} ranks, {device.type}: step time (median, p10-p90)",
             "ms per step",
         )
-        say(f"wrote {args.out}/compiled_vs_eager.json and .png")
+        say(f"wrote {args.out}/{stem}.json and .png")
     dist.destroy_process_group()
 
 

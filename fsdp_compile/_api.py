@@ -6,7 +6,6 @@ import contextlib
 import dataclasses
 import inspect
 import itertools
-import types
 
 import torch
 import torch.nn as nn
@@ -73,7 +72,7 @@ class CompiledFSDPModule(nn.Module):
         # sees plain tensors only (no DTensor desugaring, no DeviceMesh among the saved values, which
         # AOTAutograd's activation-checkpointing path cannot save).
         shards = [[p.to_local() for p in unit] for unit in self._unit_params]
-        with capture.active():
+        with capture.active(regions=self.config.regions):
             return self._compiled(shards, *args, **kwargs)
 
     def _plan_and_compile(self, args, kwargs) -> None:
@@ -94,7 +93,9 @@ class CompiledFSDPModule(nn.Module):
             [by_name[p.fqn] for p in capture.unit_params(self.plan, u)] for u in self.schedule.units
         ]
         step = _make_step(self._orig_mod, self.plan, self.schedule, self.kernels)
-        step = _unique_code(step, f"fsdp_compile_step_{next(_instances)}")
+        # its own code object: Dynamo keeps its compiled entries (and its recompile limit, 8 by default)
+        # per code object, so one process can hold many compiled models without their guards evicting each other
+        step = capture._unique_code(step, f"fsdp_compile_step_{next(_instances)}")
         backend = make_backend(cfg, self.plan, self.schedule, self.cost_model, self.captured, codegen=self._codegen)
         self._compiled = torch.compile(step, backend=backend, fullgraph=True)
 
@@ -161,17 +162,6 @@ def _resolve_kernels(kernels: str, plan: ShardingPlan) -> str:
     from torch.utils._triton import has_triton
 
     return "triton" if plan.device.type == "cuda" and has_triton() else "torch"
-
-
-def _unique_code(fn, name: str):
-    """A copy of ``fn`` with its own code object.
-
-    Dynamo keeps its compiled entries (and its recompile limit, 8 by default) per code object; each
-    compiled model gets its own, so one process can hold many compiled models (benchmarks compare
-    several) without their guards evicting each other.
-    """
-    code = fn.__code__.replace(co_name=name, co_qualname=name)
-    return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
 
 
 def compile(model: nn.Module, config: CompileConfig | None = None, **overrides) -> CompiledFSDPModule:
@@ -278,6 +268,7 @@ def _prepare(model: nn.Module, config: CompileConfig | None, overrides: dict) ->
     _check_against_plan(config, plan)
     check_ranks_agree(plan, config.agreement_items())
     capture.install_hooks(model)
+    capture.install_regions(model, plan)
     return config, plan
 
 

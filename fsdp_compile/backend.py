@@ -29,6 +29,7 @@ from torch._functorch._aot_autograd.utils import make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from fsdp_compile._annotations import fsdp_meta
 from fsdp_compile.config import CompileConfig
 from fsdp_compile.debug.dump import CompileHook, readable
 from fsdp_compile.ops import DECOMPOSITIONS
@@ -117,7 +118,11 @@ def make_backend(
     )
 
     def on_graph(kind: str, gm: torch.fx.GraphModule) -> None:
-        """Every forward/backward graph, before it is compiled: our passes, then the record and dumps."""
+        """Every forward/backward graph, before it is compiled: our passes, then the record and dumps.
+        Inductor also runs its post-grad hooks on each region's body (``invoke_subgraph``): a body holds
+        no FSDP collective (they stay at top level) and is left alone."""
+        if not any(fsdp_meta(n) is not None for n in gm.graph.nodes):
+            return
         graphs = getattr(captured, kind)
         record = run_passes(gm, kind, len(graphs), schedule, cost_model, snapshot=snapshot)
         captured.records.append(record)
@@ -139,6 +144,11 @@ def make_backend(
                     "pin", key, lambda g: pin_collective_order(g.owning_module) if moves_anything else None
                 ),
             }
+            # Inductor's scheduler reorders for peak memory by default. On torch 2.13 that corrupts reused
+            # regions (measured: layer 0's gradients off by 2e4 relative, with torch's own
+            # nested_compile_region on a Llama block, no FSDP; the donation fix of pytorch#193960 is
+            # related), and it also undoes our prefetches. Our schedule plans memory itself.
+            patches["reorder_for_peak_memory"] = False
             if config.dump_dir:
                 patches["fx_graph_cache"] = False  # a cache hit would skip the passes that write the dump
             return _inductor(gm, example_inputs, patches, captured, hook)

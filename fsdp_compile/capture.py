@@ -20,6 +20,7 @@ model with the full tensors. The passes then move each unshard to just before it
 from __future__ import annotations
 
 import functools
+import types
 
 import torch
 import torch.nn as nn
@@ -31,20 +32,25 @@ from fsdp_compile.passes.schedule import Schedule, Unit
 from fsdp_compile.plan import ParamPlan, ShardingPlan, fsdp_states
 
 _ACTIVE = False  # True only while our compiled step runs (and while Dynamo traces it)
+_REGIONS = False  # ... and whether repeated blocks run as compiled regions (CompileConfig.regions)
 
 
 class _Active:
+    def __init__(self, regions: bool):
+        self.regions = regions
+
     def __enter__(self):
-        global _ACTIVE
-        self._prev, _ACTIVE = _ACTIVE, True
+        global _ACTIVE, _REGIONS
+        self._prev = (_ACTIVE, _REGIONS)
+        _ACTIVE, _REGIONS = True, self.regions
 
     def __exit__(self, *exc):
-        global _ACTIVE
-        _ACTIVE = self._prev
+        global _ACTIVE, _REGIONS
+        _ACTIVE, _REGIONS = self._prev
 
 
-def active() -> _Active:
-    return _Active()
+def active(regions: bool = False) -> _Active:
+    return _Active(regions)
 
 
 def _cast(dtype, tree):
@@ -121,3 +127,132 @@ def unshard_args(plan: ShardingPlan, unit: Unit, index: int, kernels: str) -> Un
         param_dtype=group.param_dtype,
         reduction=Reduction(group.reduce_dtype, group.reduce_op, group.pre_factor, group.post_factor),
     )
+
+
+# --- regions: each repeated block traced and compiled once -------------------------------------------------
+#
+# A model's blocks (same class, parameter shapes, dtypes and mixed precision) run through one
+# ``torch.compiler.nested_compile_region`` function per kind of block, which takes the block's unsharded
+# parameters and buffers as explicit inputs: AOTAutograd partitions and Inductor compiles the body once, and
+# every block calls it (``invoke_subgraph``). The collectives and copies stay in the top-level graph, where
+# the passes see them. Each block's own forward is what the region replaces: its FSDP hooks (our
+# dispatchers) and any user hooks run per block, outside.
+#
+# A region traces one block and reuses the trace, so nothing that differs between blocks may be read inside
+# it. Blocks whose plain attributes (ints, floats, strings, ...) are all equal share a template block and a
+# reuse key: traced once. Blocks that differ in some attribute (HF decoder layers carry their layer_idx)
+# pass themselves in instead, without a key: Dynamo traces each and keeps one subgraph for identical ones
+# (what it would have read differently, it keeps apart). Blocks with hooks inside are left alone.
+
+
+def _plain_attributes(module: nn.Module) -> tuple:
+    out = []
+    for name, sub in nn.Module.named_modules(module):
+        attrs = tuple(sorted((k, v) for k, v in vars(sub).items() if isinstance(v, (int, float, str, bool, type(None)))))
+        out.append((name, attrs))
+    return tuple(out)
+
+
+def _has_inner_hooks(module: nn.Module) -> bool:
+    for name, sub in nn.Module.named_modules(module):
+        hooks = list(sub._forward_hooks.values()) + list(sub._forward_pre_hooks.values())
+        if name == "":  # the block's own: FSDP2's (our dispatchers) run outside the region, per block
+            hooks = [h for h in hooks if not hasattr(h, "fsdp_hook")]
+        if hooks or sub._backward_hooks or sub._backward_pre_hooks:
+            return True
+    return False
+
+
+def find_repeated_blocks(model: nn.Module, plan: ShardingPlan) -> list[list[str]]:
+    """FSDP modules that can share one region, grouped (two or more each), in forward order."""
+    modules = dict(model.named_modules())
+    kinds: dict[tuple, list[str]] = {}
+    for g in plan.groups:
+        if g.fqn == "" or plan.has_fsdp_children(g.fqn):
+            continue
+        m = modules[g.fqn]
+        # raw names: CheckpointWrapper.named_parameters() strips its own prefix
+        params = list(nn.Module.named_parameters(m))
+        if {f"{g.fqn}.{n}" for n, _ in params} != {p.fqn for p in g.params} or _has_inner_hooks(m):
+            continue
+        signature = (
+            type(m), g.param_dtype,
+            tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in params),
+            tuple((n, tuple(b.shape), b.dtype) for n, b in nn.Module.named_buffers(m)),
+        )
+        kinds.setdefault(signature, []).append(g.fqn)
+    return [fqns for fqns in kinds.values() if len(fqns) >= 2]
+
+
+def _reuse_key(*args, **kwargs) -> int:
+    """What the template trace depends on besides the block: the inputs' dtypes, ranks, requires_grad."""
+    leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+    return hash(tuple(
+        (t.dtype, t.dim(), t.requires_grad) if isinstance(t, torch.Tensor) else (type(t).__name__, repr(t))
+        for t in leaves
+    ))
+
+
+def _make_region(blocks: list[nn.Module], index: int):
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    template = blocks[0]
+    names = tuple(n for n, _ in nn.Module.named_parameters(template)) + tuple(n for n, _ in nn.Module.named_buffers(template))
+    forward = type(template).forward
+    if len({_plain_attributes(b) for b in blocks}) == 1:
+        def region(tensors, *args, **kwargs):
+            with _reparametrize_module(template, dict(zip(names, tensors))):
+                return forward(template, *args, **kwargs)
+
+        return torch.compiler.nested_compile_region(_unique_code(region, f"fsdp_compile_region_{index}"), reuse_hash_fn=_reuse_key), names, False
+
+    def region_of(block, tensors, *args, **kwargs):
+        with _reparametrize_module(block, dict(zip(names, tensors))):
+            return forward(block, *args, **kwargs)
+
+    return torch.compiler.nested_compile_region(_unique_code(region_of, f"fsdp_compile_region_{index}")), names, True
+
+
+def install_regions(model: nn.Module, plan: ShardingPlan) -> list[list[str]]:
+    """Route every repeated block's forward through its region while a compiled step runs with regions on
+    (idempotent; outside a compiled step the block's own forward runs). Returns the repeated blocks."""
+    modules = dict(model.named_modules())
+    repeated = find_repeated_blocks(model, plan)
+    for index, fqns in enumerate(repeated):
+        blocks = [modules[f] for f in fqns]
+        if all(hasattr(b.forward, "fsdp_compile_region") for b in blocks):
+            continue
+        region, names, pass_block = _make_region(blocks, index)
+        for block in blocks:
+            block.forward = _regional_forward(block, region, names, pass_block)
+    return repeated
+
+
+def _get(module: nn.Module, dotted: str):
+    for part in dotted.split("."):
+        module = getattr(module, part)
+    return module
+
+
+def _regional_forward(block: nn.Module, region, names, pass_block: bool):
+    own = getattr(block.forward, "fsdp_compile_own_forward", block.forward)  # the bound method of its class
+
+    def forward(*args, **kwargs):
+        if not (_ACTIVE and _REGIONS):
+            return own(*args, **kwargs)
+        # the unsharded tensors that traced_forward's functional_call put in place, as the region's inputs
+        tensors = tuple(_get(block, n) for n in names)
+        if pass_block:
+            return region(block, tensors, *args, **kwargs)
+        return region(tensors, *args, **kwargs)
+
+    forward.fsdp_compile_region = region
+    forward.fsdp_compile_passes_block = pass_block  # blocks differ in an attribute: each traced as itself
+    forward.fsdp_compile_own_forward = own
+    return forward
+
+
+def _unique_code(fn, name: str):
+    """A copy of ``fn`` with its own code object: Dynamo keys compiled entries (and region reuse) by it."""
+    code = fn.__code__.replace(co_name=name, co_qualname=name)
+    return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)

@@ -48,6 +48,11 @@ class CompileConfig:
     hardware: Hardware = "auto"
     """Cost-model profile; ``"auto"`` picks ``cpu-gloo`` on CPU and an H100 profile on CUDA."""
 
+    regions: bool = True
+    """Trace and compile each kind of repeated block (same class, parameter shapes, dtypes and mixed
+    precision: the layers of a transformer) once, as a region every block calls, so compile time grows with
+    the distinct code, not with depth. Off: every block is traced and compiled on its own."""
+
     kernels: Kernels = "auto"
     """Copy-in/copy-out implementation: ``"triton"``, ``"torch"``, or ``"auto"`` (Triton on CUDA, torch elsewhere)."""
 

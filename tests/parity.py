@@ -34,6 +34,7 @@ class Case:
     n_layers: int = 2
     bucket: object = "fsdp_group"  # CompileConfig.bucket (an explicit plan as a tuple of tuples)
     reorder: bool = False
+    regions: bool = True  # CompileConfig.regions
 
     @property
     def name(self) -> str:
@@ -43,6 +44,8 @@ class Case:
         if self.bucket != "fsdp_group" or self.reorder:
             bucket = self.bucket if isinstance(self.bucket, str) else "plan"
             parts.append(f"bucket={bucket}" + ("+reorder" if self.reorder else ""))
+        if not self.regions:
+            parts.append("no-regions")
         return "-".join(parts)
 
 
@@ -106,7 +109,7 @@ def run_case(case: Case, rank: int, world_size: int) -> dict:
     import fsdp_compile as fc
 
     eager, comp = build(case), build(case)
-    compiled = fc.compile(comp, backend=case.backend, bucket=case.bucket, reorder=case.reorder)
+    compiled = fc.compile(comp, backend=case.backend, bucket=case.bucket, reorder=case.reorder, regions=case.regions)
     opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-2)
     opt_c = torch.optim.AdamW(compiled.parameters(), lr=1e-2)
     out = {"loss_eager": [], "loss_compiled": [], "grad_diff": [], "param_diff": []}

@@ -97,10 +97,12 @@ def test_collectives_placed_like_eager():
     fw, bw = compiled.captured.forward[0], compiled.captured.backward[0]
     assert _collective_order(fw) == ["AG(root)", "AG(layers.0)", "AG(layers.1)"]
     assert _collective_order(bw) == ["AG(layers.1)", "RS(layers.1)", "AG(layers.0)", "RS(layers.0)", "RS(root)"]
-    # layers.1 is gathered after layers.0's compute: the first matmul after AG(layers.1) uses its weights
-    names = [n.name for n in fw.graph.nodes]
-    first_mm = names.index("mm")
-    assert names.index("all_gather_into_tensor_1") < first_mm < names.index("all_gather_into_tensor_2")
+    # layers.1 is gathered after layers.0's compute (its matmuls, or the call of the blocks' region)
+    nodes = list(fw.graph.nodes)
+    compute = (torch.ops.aten.mm.default, torch.ops.higher_order.invoke_subgraph)
+    first = next(i for i, n in enumerate(nodes) if n.target in compute)
+    names = [n.name for n in nodes]
+    assert names.index("all_gather_into_tensor_1") < first < names.index("all_gather_into_tensor_2")
 
 
 def test_new_sequence_length_recompiles_once_dynamic():
@@ -356,10 +358,12 @@ def test_inductor_keeps_the_overlap(tmp_path):
         code = (tmp_path / f"{kind}_9_inductor_output_code.py").read_text().splitlines()
         in_graph = _overlapped(
             ours, r"(?P<out>\w+): \"[^\"]*\" = torch\.ops\._c10d_functional\.(all_gather_into_tensor|reduce_scatter_tensor)\.default",
-            r"torch\.ops\._c10d_functional\.wait_tensor\.default\((?P<arg>\w+)\)", r"torch\.ops\.aten\.(mm|bmm|addmm)\.default",
+            r"torch\.ops\._c10d_functional\.wait_tensor\.default\((?P<arg>\w+)\)",
+            r"torch\.ops\.aten\.(mm|bmm|addmm)\.default|torch\.ops\.higher_order\.invoke_subgraph\(",  # a block's region call
         )
         generated = _overlapped(
             code, r"(?P<out>buf\d+) = torch\.ops\._c10d_functional\.(all_gather_into_tensor|reduce_scatter_tensor)\.default\(",
-            r"torch\.ops\._c10d_functional\.wait_tensor\.default\((?P<arg>buf\d+)\)", r"extern_kernels\.(mm|bmm|addmm)\(",
+            r"torch\.ops\._c10d_functional\.wait_tensor\.default\((?P<arg>buf\d+)\)",
+            r"extern_kernels\.(mm|bmm|addmm)\(|= partitioned_[fb]w_subgraph_\w+\(",
         )
         assert in_graph >= 2 and generated >= in_graph, (kind, in_graph, generated)

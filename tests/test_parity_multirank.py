@@ -33,6 +33,9 @@ CASES_2 = [
     Case(bucket=(("layers.0", "layers.1"),), reorder=True),
     Case(model="odd", bucket="auto", reorder=True),
     Case(mp="bf16", bucket="auto", reorder=True),
+    # every block traced on its own (regions are on in every other case)
+    Case(regions=False),
+    Case(model="llama_ac", mp="bf16", regions=False),
 ]
 CASES_4 = [Case(n_layers=3), Case(model="odd"), Case(model="llama_tied", mp="bf16")]
 

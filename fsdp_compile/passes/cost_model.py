@@ -313,9 +313,12 @@ class CostModel:
 
     # compute
     def compute_time(self, node: fx.Node) -> float:
-        """Roofline time of a non-collective node on the compute stream (0 for views and graph I/O)."""
+        """Roofline time of a non-collective node on the compute stream (0 for views and graph I/O); a region
+        call (``invoke_subgraph``, a repeated block) costs what its body does."""
         if node.op != "call_function":
             return 0.0
+        if node.target is torch.ops.higher_order.invoke_subgraph:
+            return self._region_time(node)
         if P.is_view(node):
             return 0.0 if node.target is operator.getitem else self.profile.view_overhead
         tensors = P.val_tensors(node.meta.get("val"))
@@ -326,6 +329,15 @@ class CostModel:
         t_flops = flops / p.matmul_flops(tensors[0].dtype if tensors else torch.float32) if flops else 0.0
         t_mem = node_io_bytes(node) / p.mem_bw
         return max(t_flops, t_mem) + p.op_overhead
+
+    def _region_time(self, node: fx.Node) -> float:
+        body = getattr(node.graph.owning_module, node.args[0].target, None)
+        if body is None:
+            return 0.0
+        cache = self.__dict__.setdefault("_regions", {})
+        if id(body) not in cache:  # one body, called by every block
+            cache[id(body)] = (body, sum(self.node_time(n) for n in body.graph.nodes))
+        return cache[id(body)][1]
 
     def node_time(self, node: fx.Node) -> float:
         """Seconds a node occupies its stream: a collective its process group's, anything else the compute stream.

@@ -1,0 +1,185 @@
+"""First-step (compile) time against depth, cold and warm: fsdp_compile vs torch.compile.
+
+    python bench/compile_time.py [--depths 2 8 16 32] [--model hf|ours] [--quick]
+
+For every depth and variant, two fresh processes of 2 gloo ranks each (1 thread per rank) run one
+forward + backward: "cold" with an empty Inductor cache directory, then "warm" with the one the cold run
+filled (a restart). The figure is the slower rank's first step, compile included. Variants:
+  fc              fsdp_compile.compile on the fully_shard model (default config: Inductor, regions, schedule)
+  torch-fsdp      torch.compile on the same fully_shard model (graph breaks at every FSDP hook)
+  torch-plain     torch.compile on the same model unsharded (no FSDP, no collectives): the compiler's own cost
+The model is a narrow Llama (hidden 64), so compute is negligible: HF transformers' LlamaForCausalLM when
+installed (``--model hf``), else fsdp_compile.models.Llama. Writes bench/results/compile_time.json and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+import _harness as H  # noqa: E402
+
+VARIANTS = ("fc", "torch-fsdp", "torch-plain")
+W = 2
+
+
+def build(model_kind: str, depth: int):
+    import torch
+
+    torch.manual_seed(0)
+    if model_kind == "hf":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=depth,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                          attn_implementation="sdpa")
+        model = LlamaForCausalLM(cfg)
+        return model, list(model.model.layers)
+    from fsdp_compile.models import Llama, LlamaArgs
+
+    model = Llama(LlamaArgs(vocab=1024, dim=64, n_layers=depth, n_heads=4, ffn_dim=128, max_seq=128))
+    return model, list(model.layers)
+
+
+def _rank(rank: int, store: str, args, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store, W), rank=rank, world_size=W,
+                            timeout=datetime.timedelta(seconds=900))
+    model, blocks = build(args.model, args.depth)
+    extra = {}
+    if args.variant in ("fc", "torch-fsdp"):
+        for b in blocks:
+            fully_shard(b)
+        fully_shard(model)
+    if args.variant == "fc":
+        import fsdp_compile as fc
+
+        step = fc.compile(model)
+    else:
+        step = torch.compile(model)
+    ids = torch.randint(0, 1024, (2, 64), generator=torch.Generator().manual_seed(rank))
+    dist.barrier()
+    t0 = time.perf_counter()
+    out_ = step(input_ids=ids, labels=ids).loss if args.model == "hf" else step(ids).float().logsumexp(-1).mean()
+    out_.backward()
+    first = time.perf_counter() - t0
+    if args.variant == "fc":
+        extra = {"planning_s": step.schedule.planning_s, "units": len(step.schedule.units)}
+    from torch._dynamo.utils import counters
+
+    extra["fx_cache_hits"] = counters["inductor"].get("fxgraph_cache_hit", 0)
+    extra["aot_cache_hits"] = counters["aot_autograd"].get("autograd_cache_hit", 0)
+    t = torch.tensor([first], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"first_step_s": float(t), **extra}, f)
+    dist.destroy_process_group()
+
+
+def worker(args) -> None:
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "out.json")
+        mp.spawn(_rank, args=(os.path.join(tmp, "store"), args, out), nprocs=W, join=True)
+        with open(out) as f:
+            print("RESULT " + f.read())
+
+
+def measure(variant: str, depth: int, model: str, cache_dir: str) -> dict:
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir, "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+    cmd = [sys.executable, __file__, "--worker", "--variant", variant, "--depth", str(depth), "--model", model]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        return {"error": (proc.stderr or proc.stdout)[-400:]}
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--depths", nargs="+", type=int, default=[2, 8, 16, 32])
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    ap.add_argument("--model", choices=["hf", "ours"], default=None)
+    ap.add_argument("--quick", action="store_true", help="depths 2 and 8 only")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--variant", help=argparse.SUPPRESS)
+    ap.add_argument("--depth", type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.model is None:
+        try:
+            import transformers  # noqa: F401
+
+            args.model = "hf"
+        except ImportError:
+            args.model = "ours"
+    if args.worker:
+        return worker(args)
+    if args.quick:
+        args.depths = [2, 8]
+    rows = []
+    for depth in args.depths:
+        for variant in args.variants:
+            with tempfile.TemporaryDirectory() as cache:
+                cold = measure(variant, depth, args.model, cache)
+                warm = measure(variant, depth, args.model, cache)
+            rows.append({"depth": depth, "variant": variant, "cold": cold, "warm": warm})
+            sys.stderr.write(f"depth {depth:3d} {variant:12s} cold {cold.get('first_step_s', float('nan')):7.1f} s  "
+                             f"warm {warm.get('first_step_s', float('nan')):7.1f} s\n")
+    print(f"\nfirst step (compile) seconds, 2 gloo ranks, {args.model} Llama hidden 64 (cold: empty cache; warm: restart)")
+    print("| depth | " + " | ".join(f"{v} cold | {v} warm" for v in args.variants) + " | fc planning ms |")
+    print("|---" * (2 * len(args.variants) + 2) + "|")
+    for depth in args.depths:
+        cells, planning = [], "-"
+        for variant in args.variants:
+            r = next(x for x in rows if x["depth"] == depth and x["variant"] == variant)
+            cells += [f"{r[k]['first_step_s']:.1f}" if "first_step_s" in r[k] else "failed" for k in ("cold", "warm")]
+            if variant == "fc" and "planning_s" in r["cold"]:
+                planning = f"{r['cold']['planning_s'] * 1e3:.1f}"
+        print(f"| {depth} | " + " | ".join(cells) + f" | {planning} |")
+    H.write_json(os.path.join(args.out, "compile_time.json"), {"machine": H.machine(), "model": args.model, "rows": rows})
+    _plot(rows, args, os.path.join(args.out, "compile_time.png"))
+    print(f"wrote {args.out}/compile_time.json and .png")
+
+
+def _plot(rows, args, path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for variant, color in zip(args.variants, ("#4C72B0", "#DD8452", "#55A868")):
+        for kind, style in (("cold", "o-"), ("warm", "s--")):
+            pts = [(r["depth"], r[kind]["first_step_s"]) for r in rows if r["variant"] == variant and "first_step_s" in r[kind]]
+            if pts:
+                ax.plot(*zip(*pts), style, color=color, label=f"{variant} {kind}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("layers")
+    ax.set_ylabel("first step, s (compile included)")
+    ax.set_title(f"compile time, 2 CPU ranks ({args.model} Llama, hidden 64)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""Warm restarts: a second process compiling the same model and config is served by Inductor's FX graph
+cache and AOTAutograd's cache, and a process with an empty cache directory starts warm from artifacts saved
+with ``torch.compiler.save_cache_artifacts`` (counters, not timings).
+
+Each run is a fresh Python process: one real gloo rank (the numbers must be real to compare the losses),
+a 2-block Llama under the default config (Inductor, regions, the default schedule).
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.inductor
+
+SCRIPT = r"""
+import json, sys, torch, torch.distributed as dist
+from torch._dynamo.utils import counters
+from models import Llama, LlamaArgs, shard
+import fsdp_compile as fc
+
+mode, artifacts = sys.argv[1], sys.argv[2]
+if mode == "load":
+    with open(artifacts, "rb") as f:
+        torch.compiler.load_cache_artifacts(f.read())
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+torch.manual_seed(0)
+m = Llama(LlamaArgs(n_layers=2, dim=32, ffn_dim=64))
+compiled = fc.compile(shard(m, m.layers))
+tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+loss = compiled(tokens).float().logsumexp(-1).mean()
+loss.backward()
+if mode == "cold":
+    data, _ = torch.compiler.save_cache_artifacts()
+    with open(artifacts, "wb") as f:
+        f.write(data)
+print("RESULT " + json.dumps({
+    "inductor": {k: v for k, v in counters["inductor"].items() if "cache" in k},
+    "aot": {k: v for k, v in counters["aot_autograd"].items() if "cache" in k},
+    "loss": loss.item(),
+    "grad": float(sum(p.grad.to_local().double().square().sum() for p in m.parameters())),
+}))
+"""
+
+
+def _run(tmp_path, cache_dir: str, mode: str) -> dict:
+    script = tmp_path / "compile_once.py"
+    script.write_text(SCRIPT)
+    env = {
+        **os.environ,
+        "TORCHINDUCTOR_CACHE_DIR": cache_dir,
+        "TORCHINDUCTOR_COMPILE_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.run(
+        [sys.executable, str(script), mode, str(tmp_path / "artifacts.bin")], env=env, capture_output=True,
+        text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
+def test_second_process_hits_the_caches(tmp_path):
+    cold = _run(tmp_path, str(tmp_path / "cache"), "cold")
+    warm = _run(tmp_path, str(tmp_path / "cache"), "warm")
+    loaded = _run(tmp_path, str(tmp_path / "empty"), "load")
+    assert cold["inductor"].get("fxgraph_cache_miss", 0) >= 2 and not cold["inductor"].get("fxgraph_cache_bypass"), cold
+    assert cold["aot"].get("autograd_cache_saved", 0) >= 1, cold
+    for run in (warm, loaded):  # forward and backward served from the FX graph cache, both via AOTAutograd's
+        assert run["inductor"].get("fxgraph_cache_hit", 0) >= 2 and not run["inductor"].get("fxgraph_cache_miss"), run
+        assert run["aot"].get("autograd_cache_hit", 0) >= 1, run
+        assert (run["loss"], run["grad"]) == (cold["loss"], cold["grad"])

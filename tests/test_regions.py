@@ -1,0 +1,143 @@
+"""Regions: each kind of repeated block traced and compiled once (``capture.install_regions``).
+
+Single process, fake process group. Numerics (bitwise against eager ``fully_shard``, with and without
+regions) are in the multi-rank parity grid.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fsdp_compile as fc
+from dist_helpers import fake_process_group
+from fsdp_compile import capture
+from fsdp_compile.report import count_collectives
+from models import Llama, LlamaArgs, shard
+
+_invoke_subgraph = torch.ops.higher_order.invoke_subgraph
+
+
+def _region_calls(gm) -> list[str]:
+    return [n.args[0].target for n in gm.graph.nodes if n.target is _invoke_subgraph]
+
+
+def test_a_block_is_traced_once(monkeypatch):
+    """Four Llama blocks: Dynamo traces the block's body once and stamps it out three times; the graph
+    calls one subgraph four times, with every all-gather and reduce-scatter at top level."""
+    import torch._dynamo.variables.invoke_subgraph as IS
+
+    counts = {"traces": 0, "stamp_outs": 0}
+    trace, stamp = IS.InvokeSubgraphHigherOrderVariable.create_wrapped_node, IS.stamp_out_subgraph
+
+    def counted_trace(self, *a, **k):
+        counts["traces"] += 1
+        return trace(self, *a, **k)
+
+    def counted_stamp(*a, **k):
+        counts["stamp_outs"] += 1
+        return stamp(*a, **k)
+
+    monkeypatch.setattr(IS.InvokeSubgraphHigherOrderVariable, "create_wrapped_node", counted_trace)
+    monkeypatch.setattr(IS, "stamp_out_subgraph", counted_stamp)
+    with fake_process_group(2):
+        torch.manual_seed(0)
+        m = Llama(LlamaArgs(n_layers=4))
+        compiled = fc.compile(shard(m, m.layers), backend="aot_eager", bucket="fsdp_group")
+        compiled(torch.randint(0, 256, (2, 16))).sum().backward()
+    assert counts == {"traces": 1, "stamp_outs": 3}
+    assert not any(b.forward.fsdp_compile_passes_block for b in m.layers)  # equal attributes: one template
+    assert _region_calls(compiled.captured.dynamo[0]) == ["subgraph_0"] * 4
+    assert count_collectives(compiled.captured.dynamo) == {"all_gathers": 0, "reduce_scatters": 0, "all_reduces": 0}
+    assert count_collectives(compiled.captured.forward)["all_gathers"] == 5  # the unshards, decomposed at top level
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_reshard_after_forward_kept(reshard):
+    """A region's forward would hand its gathered parameters to its backward as saved values; the recompute
+    pass gives the backward the top-level ones, so resharded blocks are gathered again in backward."""
+    counts = {}
+    for regions in (True, False):
+        with fake_process_group(2):
+            torch.manual_seed(0)
+            m = Llama(LlamaArgs(n_layers=3))
+            shard(m, m.layers, root_kwargs={"reshard_after_forward": False}, reshard_after_forward=reshard)
+            compiled = fc.compile(m, backend="aot_eager", bucket="fsdp_group", reorder=False, regions=regions)
+            compiled(torch.randint(0, 256, (2, 16))).sum().backward()
+            counts[regions] = count_collectives(compiled.captured.backward)
+    assert counts[True] == counts[False] == {"all_gathers": 3 if reshard else 0, "reduce_scatters": 4, "all_reduces": 0}
+
+
+class Scaled(nn.Module):
+    """A block that reads a per-instance attribute in forward."""
+
+    def __init__(self, k: float):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.k = k
+
+    def forward(self, x):
+        return self.lin(x) * self.k
+
+
+class Mixed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.same = nn.ModuleList(Scaled(1.0) for _ in range(2))
+        self.differ = nn.ModuleList(Scaled(float(k)) for k in (2, 3))
+        self.wide = nn.ModuleList(nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 8)) for _ in range(2))
+        self.lonely = nn.Linear(8, 8)
+
+    def forward(self, x):
+        for block in [*self.same, *self.differ, *self.wide, self.lonely]:
+            x = block(x)
+        return x
+
+
+@pytest.fixture
+def gloo_world_1():
+    """A real process group of one rank (the fake one moves no data: numbers would be garbage)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_which_blocks_share_a_region(gloo_world_1):
+    """Same class, shapes and dtypes: one region per kind. Blocks whose attributes differ pass themselves
+    in (Dynamo traces each and keeps what differs apart); blocks with hooks inside, or alone, get none."""
+    if True:
+        torch.manual_seed(0)
+        m = Mixed()
+        m.wide[1][0].register_forward_hook(lambda *a: None)
+        blocks = [*m.same, *m.differ, *m.wide, m.lonely]
+        shard(m, blocks)
+        compiled = fc.compile(m, backend="aot_eager")
+        assert capture.find_repeated_blocks(m, compiled.plan) == [["same.0", "same.1", "differ.0", "differ.1"]]
+        x = torch.randn(4, 8)
+        with torch.no_grad():
+            expected = m(x)  # eager FSDP2
+        assert torch.equal(compiled(x), expected)  # each block's own k, not the first block's
+        # the ks differ: one region function, each block passed in (and traced as itself)
+        forwards = [b.forward for b in (*m.same, *m.differ)]
+        assert len({f.fsdp_compile_region for f in forwards}) == 1
+        assert all(f.fsdp_compile_passes_block for f in forwards)
+
+
+def test_hf_llama_layers_share_a_region():
+    transformers = pytest.importorskip("transformers")
+    with fake_process_group(2):
+        torch.manual_seed(0)
+        cfg = transformers.LlamaConfig(
+            vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64, attn_implementation="sdpa",
+        )
+        m = transformers.LlamaForCausalLM(cfg)
+        shard(m, m.model.layers)
+        compiled = fc.compile(m, backend="aot_eager")
+        ids = torch.randint(0, 512, (2, 16))
+        compiled(input_ids=ids, labels=ids).loss.backward()
+    # the decoder layers are called with keyword arguments and each carries its own layer_idx
+    assert _region_calls(compiled.captured.dynamo[0]) == ["subgraph_0"] * 3
