@@ -156,3 +156,21 @@ def test_auto_never_touches_a_gpu_driver(monkeypatch):
     cm = C.cost_model_for("auto", g)
     assert cm.profile.name == "cpu-gloo"
     assert cm.node_time(_node(g, "aten.mm")) > 0
+
+
+def test_cpu_gloo_profile_is_its_calibration():
+    """The cpu-gloo constants are the fit that bench/calibrate_cpu_gloo.py wrote, and the profile cites it."""
+    import json
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[1] / "bench" / "results" / "calibrate_cpu_gloo.json"
+    constants = json.loads(path.read_text())["constants"]
+    p = C.PROFILES["cpu-gloo"]
+    assert "bench/results/calibrate_cpu_gloo.json" in p.source
+    ours = {
+        "matmul_flops_fp32": p.matmul_flops_fp32, "matmul_flops_lowp": p.matmul_flops_lowp, "mem_bw": p.mem_bw,
+        "op_overhead": p.op_overhead, "view_overhead": p.view_overhead, "bus_bw": p.intra.bus_bw,
+        "step_latency": p.intra.step_latency, "base_latency": p.intra.base_latency,
+    }
+    for name, value in ours.items():
+        assert value == pytest.approx(constants[name], rel=0.01, abs=1e-12), name

@@ -123,25 +123,24 @@ H100_IB = dataclasses.replace(
 )
 
 # --- CPU + gloo -----------------------------------------------------------------------------------
-# Measured on the development machine (AMD EPYC, 2 cores; 2 gloo ranks over 127.0.0.1, 1 thread per
-# rank, both ranks busy at once) by ``bench/calibrate_cpu_gloo.py`` on 2026-11-22: the median of 6 runs
-# (per-node overheads: of the 3 runs that timed an FX graph). The machine was shared with other jobs
-# (load average 1.3-4), so the runs spread: fp32 matmul 38-76 GFLOP/s, per-op overhead 7-12 us, gloo
-# latency 297-477 us per ring step, bus bandwidth 0.49-0.68 GB/s.
-# With 2 ranks the per-collective and per-step latencies cannot be told apart: all of it is per step.
-# The per-node overheads are what ``aot_eager`` pays (it runs the graph node by node); Inductor's C++
-# code fuses nodes, so on CPU + Inductor this profile overestimates the compute stream.
+# Measured on the development machine (2 cores; 2 gloo ranks over 127.0.0.1, 1 thread per rank, both ranks
+# busy at once) by ``bench/calibrate_cpu_gloo.py``, which writes every measurement and this fit to
+# ``bench/results/calibrate_cpu_gloo.json`` (2026-11-22). Runs on this shared machine spread by about
+# +-25%; the machines of this workplace differ too (an earlier one had AVX512-BF16 and ran bf16 matmuls at
+# ~200 GFLOP/s; this one emulates them). With 2 ranks the per-collective and per-step latencies cannot be
+# told apart: all of it is per step. The per-node overheads are what ``aot_eager`` pays (it runs the graph
+# node by node); Inductor's C++ code fuses nodes, so on CPU + Inductor this profile overestimates compute.
 CPU_GLOO = HardwareProfile(
     name="cpu-gloo",
     device_type="cpu",
-    matmul_flops_fp32=44.6e9,  # torch.mm fp32, 512/1024 square
-    matmul_flops_lowp=202.5e9,  # torch.mm bf16 (AVX512-BF16)
-    mem_bw=13.6 * GB,  # Tensor.copy_ of 64 MiB: bytes read + written per second
-    op_overhead=8.0 * US,  # per aten.add node of an FX graph on a 1-element tensor
-    view_overhead=2.4 * US,  # per aten.view node of an FX graph
-    intra=LinkProfile(bus_bw=0.515 * GB, step_latency=372 * US, base_latency=0.0),  # AG + RS fit, 4 KiB..16 MiB
+    matmul_flops_fp32=68.9e9,  # torch.mm fp32, 512/1024 square
+    matmul_flops_lowp=1.2e9,  # torch.mm bf16 (no native bf16 matmul on this machine's CPU)
+    mem_bw=12.84 * GB,  # Tensor.copy_ of 64 MiB: bytes read + written per second
+    op_overhead=5.67 * US,  # per aten.add node of an FX graph on a 1-element tensor
+    view_overhead=3.45 * US,  # per aten.view node of an FX graph
+    intra=LinkProfile(bus_bw=0.558 * GB, step_latency=499.8 * US, base_latency=0.0),  # AG + RS fit, 4 KiB..16 MiB
     ranks_per_node=1 << 30,  # one host: every rank on the same "node"
-    source="bench/calibrate_cpu_gloo.py on the development machine, 2026-11-22 (median of 6 runs)",
+    source="bench/results/calibrate_cpu_gloo.json (bench/calibrate_cpu_gloo.py on the development machine, 2026-11-22)",
 )
 
 PROFILES: dict[str, HardwareProfile] = {p.name: p for p in (H100_NVLINK, H100_IB, CPU_GLOO)}
