@@ -19,8 +19,9 @@ DUMP_ENV = "FSDP_COMPILE_DUMP"
 class CompileConfig:
     """How ``fsdp_compile.compile`` captures and optimizes an FSDP2 model.
 
-    Every field keeps the meaning it has in ``DESIGN.md``; invalid values raise ``ValueError`` here,
-    at construction, never later inside a compile.
+    Every field keeps the meaning it has in ``DESIGN.md``; invalid values raise ``ValueError`` (a wrong
+    type: ``TypeError``) here, at construction, with one line naming the field, the value and the fix,
+    never later inside a compile.
     """
 
     backend: Backend = "inductor"
@@ -28,22 +29,23 @@ class CompileConfig:
     partitioned and rewritten graphs op by op: bitwise equal to eager FSDP2 in fp32, for numerics and debugging."""
 
     bucket: Union[BucketMode, tuple[tuple[str, ...], ...]] = "auto"
-    """How collectives are grouped. ``"none"``: one all-gather and one reduce-scatter per parameter.
-    ``"fsdp_group"``: one per FSDP module, as eager FSDP2. ``"auto"``: adjacent FSDP modules merged while
-    the cost model predicts a faster step within the memory budget. Or an explicit plan: a sequence of
-    buckets, each a sequence of adjacent FSDP module FQNs."""
+    """How collectives are grouped into the schedule's units. ``"none"``: one all-gather and one
+    reduce-scatter per parameter. ``"fsdp_group"``: one per FSDP module, as eager FSDP2. ``"auto"``: adjacent
+    FSDP modules merged while the cost model predicts a faster step within the memory budget. Or an
+    explicit plan: a sequence of buckets, each a sequence of adjacent FSDP module FQNs."""
 
     bucket_cap_mb: float | None = None
-    """Upper bound on one bucket's size in MB; ``None`` lets the cost model choose."""
+    """Upper bound on one bucket's all-gather in MiB; ``None`` lets the cost model choose."""
 
     reorder: bool = True
-    """Prefetch all-gathers and sink reduce-scatter waits for overlap, each move kept only if the cost
-    model predicts a faster step within ``memory_budget_gb``; off: every collective sits where eager
-    FSDP2 issues it (without its prefetch)."""
+    """Prefetch all-gathers and defer reduce-scatter waits for overlap, as far as the cost model predicts
+    a faster step within ``memory_budget_gb``; off: every collective sits where eager FSDP2 issues it
+    (without its prefetch; FSDP2's own prefetch settings are honored either way)."""
 
     memory_budget_gb: float | None = None
-    """Predicted peak-memory bound for bucketing and reordering (GiB); ``None``: eager FSDP2's predicted
-    peak (the graph as captured plus one prefetched all-gather)."""
+    """Bound (GiB) on what the schedule holds at once of gathered parameters and reduce-scatter buffers:
+    the part of the peak a schedule decides (activations and sharded state are the same under every
+    schedule), and the same on every rank. ``None``: what eager FSDP2 holds on the same model."""
 
     hardware: Hardware = "auto"
     """Cost-model profile; ``"auto"`` picks ``cpu-gloo`` on CPU and an H100 profile on CUDA."""
@@ -60,28 +62,33 @@ class CompileConfig:
     """Write every stage's graphs and the schedule report here; defaults to ``$FSDP_COMPILE_DUMP``."""
 
     def __post_init__(self) -> None:
-        _check_choice("backend", self.backend, Backend)
-        _check_choice("hardware", self.hardware, Hardware)
-        _check_choice("kernels", self.kernels, Kernels)
+        _check_choice("backend", self.backend, Backend, "fsdp_compile runs its passes before either")
+        _check_choice("hardware", self.hardware, Hardware, "the cost model's profiles; 'auto' picks by device")
+        _check_choice("kernels", self.kernels, Kernels, "the copy-in/copy-out implementation")
+        for name in ("reorder", "regions"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, got {_shown(getattr(self, name))}")
         if isinstance(self.bucket, str):
-            _check_choice("bucket", self.bucket, BucketMode)
+            _check_choice("bucket", self.bucket, BucketMode, "or a list of lists of FSDP module FQNs")
         else:
-            try:
-                plan = tuple(tuple(str(fqn) for fqn in bucket) for bucket in self.bucket)
-            except TypeError:
-                raise ValueError(
-                    f"bucket must be one of {get_args(BucketMode)} or a list of lists of FSDP module FQNs, "
-                    f"got {self.bucket!r}"
-                ) from None
-            if not plan or any(not bucket for bucket in plan):
-                raise ValueError(f"an explicit bucket plan needs non-empty buckets, got {self.bucket!r}")
-            object.__setattr__(self, "bucket", plan)
-        if self.bucket_cap_mb is not None and not self.bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb must be > 0 or None, got {self.bucket_cap_mb!r}")
-        if self.memory_budget_gb is not None and not self.memory_budget_gb > 0:
-            raise ValueError(f"memory_budget_gb must be > 0 or None, got {self.memory_budget_gb!r}")
-        if self.dump_dir is None and os.environ.get(DUMP_ENV):
+            object.__setattr__(self, "bucket", _bucket_plan(self.bucket))
+        for name, unit in (("bucket_cap_mb", "MiB"), ("memory_budget_gb", "GiB")):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise TypeError(f"{name} must be a number of {unit} > 0 or None, got {_shown(value)}")
+            if value is not None and not 0 < value < float("inf"):
+                raise ValueError(f"{name} must be a number of {unit} > 0 or None, got {value!r}")
+        from_env = self.dump_dir is None and bool(os.environ.get(DUMP_ENV))
+        if from_env:
             object.__setattr__(self, "dump_dir", os.environ[DUMP_ENV])
+        if self.dump_dir is not None:
+            if not isinstance(self.dump_dir, (str, os.PathLike)):
+                raise TypeError(f"dump_dir must be a directory path or None, got {_shown(self.dump_dir)}")
+            object.__setattr__(self, "dump_dir", os.fspath(self.dump_dir))
+            problem = _unwritable(self.dump_dir)
+            if problem:
+                where = f"${DUMP_ENV}={self.dump_dir!r}" if from_env else f"dump_dir={self.dump_dir!r}"
+                raise ValueError(f"{where} {problem}; point it at a directory you can write, or unset it")
 
     def agreement_items(self) -> list[tuple[str, object]]:
         """The fields every rank must set alike (``dump_dir`` may differ: one directory per rank is fine)."""
@@ -96,7 +103,60 @@ class CompileConfig:
         return dataclasses.replace(self, **overrides)
 
 
-def _check_choice(name: str, value: object, choices) -> None:
+def _shown(value: object) -> str:
+    return f"{value!r} ({type(value).__name__})"
+
+
+def _check_choice(name: str, value: object, choices, hint: str) -> None:
     allowed = get_args(choices)
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+    if not isinstance(value, str) or value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))} ({hint}), got {_shown(value)}")
+
+
+def _bucket_plan(bucket) -> tuple[tuple[str, ...], ...]:
+    """An explicit bucket plan as a tuple of tuples of FQNs, or one line saying what is wrong with it."""
+    example = "e.g. bucket=[['layers.0', 'layers.1'], ['layers.2', 'layers.3']]"
+    try:
+        buckets = list(bucket)
+    except TypeError:
+        raise TypeError(f"bucket must be 'none', 'fsdp_group', 'auto' or a list of lists of FSDP module FQNs ({example}), "
+                        f"got {_shown(bucket)}") from None
+    if not buckets:
+        raise ValueError(f"an explicit bucket plan needs at least one bucket ({example}), got {bucket!r}")
+    if all(isinstance(b, str) for b in buckets):
+        raise ValueError(f"bucket={bucket!r} is a flat list: a plan is a list of buckets, each a list of FSDP module "
+                         f"FQNs; for one bucket of these modules write bucket=[{list(buckets)!r}]")
+    plan = []
+    for b in buckets:
+        if isinstance(b, str) or not hasattr(b, "__iter__"):
+            raise TypeError(f"every bucket of the plan is a list of FSDP module FQNs ({example}), got {_shown(b)}")
+        members = tuple(b)
+        if not members:
+            raise ValueError(f"an explicit bucket plan needs non-empty buckets ({example}), got {bucket!r}")
+        bad = [m for m in members if not isinstance(m, str)]
+        if bad:
+            raise TypeError(f"bucket {list(members)!r} holds {_shown(bad[0])}: name FSDP modules by their FQN strings "
+                            "('' for the root)")
+        plan.append(members)
+    seen: set[str] = set()
+    for members in plan:
+        for fqn in members:
+            if fqn in seen:
+                raise ValueError(f"bucket plan names {fqn!r} twice; each FSDP module goes in one bucket")
+            seen.add(fqn)
+    return tuple(plan)
+
+
+def _unwritable(path: str) -> str | None:
+    """Why ``path`` cannot hold a dump (None: it can). Nothing is created here."""
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    if os.path.exists(probe) and not os.path.isdir(probe):
+        return f"is not a directory ({probe!r} is a file)"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return f"is not writable ({probe!r} does not allow it)"
+    return None

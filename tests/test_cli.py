@@ -101,6 +101,12 @@ USER_MODULE = textwrap.dedent('''
         m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 4))
         fully_shard(m[0]); fully_shard(m)
         return m, (torch.randn(2, 4),)
+
+    def raises():
+        raise RuntimeError("boom: the user's builder failed")
+
+    def wrong():
+        return 3
 ''')
 
 
@@ -113,11 +119,16 @@ USER_MODULE = textwrap.dedent('''
         (["explain", "--model", "tiny", "--bucket", "sometimes"], "bucket must be one of"),
         (["dump", "--model", "tiny", "--out", "/proc/forbidden"], "is not writable"),
         (["report", "/nonexistent"], "is not a fsdp-compile dump"),
+        (["explain", "--model", "usermodels:raises"], "raises() raised RuntimeError: boom: the user's builder failed"),
+        (["explain", "--model", "usermodels:wrong"], "wrong() must return (model, args) or (model, args, kwargs)"),
+        (["explain", "--model", "tiny", "--hardware", "tpu"], "hardware must be one of"),
+        (["explain", "--model", "tiny", "ENV:FSDP_COMPILE_DUMP=usermodels.py/dump"], "$FSDP_COMPILE_DUMP='usermodels.py/dump' is not a directory"),
     ],
 )
 def test_errors_are_one_line_exit_2(tmp_path, args, message):
     (tmp_path / "usermodels.py").write_text(USER_MODULE)
-    proc = run(args, tmp_path, timeout=120)
+    env = dict(a[len("ENV:"):].split("=", 1) for a in args if a.startswith("ENV:"))
+    proc = run([a for a in args if not a.startswith("ENV:")], tmp_path, env, timeout=120)
     assert proc.returncode == 2, (proc.returncode, proc.stderr)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("fsdp-compile: error:")]
     assert len(errors) == 1 and message in errors[0], proc.stderr

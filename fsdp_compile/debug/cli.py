@@ -62,7 +62,10 @@ def load_user(spec: str):
     fn = getattr(module, fn_name, None)
     if not callable(fn):
         raise UserError(f"--model {spec!r}: {module_name!r} has no function {fn_name!r}")
-    out = fn()
+    try:
+        out = fn()
+    except Exception as e:  # noqa: BLE001 - the user's code: one line, what it raised
+        raise UserError(f"--model {spec!r}: {fn_name}() raised {type(e).__name__}: {e}") from None
     if not isinstance(out, tuple) or len(out) not in (2, 3):
         raise UserError(f"--model {spec!r}: {fn_name}() must return (model, args) or (model, args, kwargs)")
     model, args, kwargs = (*out, {}) if len(out) == 2 else out
@@ -182,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         ns.fn(ns)
-    except (UserError, ValueError, NotImplementedError) as e:
+    except (UserError, ValueError, TypeError, NotImplementedError) as e:
         if ns.verbose:
             traceback.print_exc()
         print(f"fsdp-compile: error: {e}", file=sys.stderr)

@@ -1,0 +1,200 @@
+"""Every bad input gets one line naming the problem and the fix: a table, on the fake process group.
+
+Config fields fail when the ``CompileConfig`` is made; model and option problems when ``compile`` (or
+``explain``) is called, before any trace; plan problems at the first call, where the schedule is planned,
+still before any trace. The command line's own table is in ``test_cli.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import fully_shard
+
+import fsdp_compile as fc
+from dist_helpers import fake_process_group
+from models import Llama, LlamaArgs, shard
+
+
+def llama(n_layers: int = 2, **fsdp):
+    torch.manual_seed(0)
+    m = Llama(LlamaArgs(n_layers=n_layers))
+    return shard(m, m.layers, **fsdp)
+
+
+def tokens(dtype=torch.long, device="cpu"):
+    return torch.randint(0, 256, (2, 16)).to(dtype=dtype, device=device)
+
+
+def config(**kw):
+    return lambda tmp: fc.CompileConfig(**kw)
+
+
+def compile_(model_fn, **kw):
+    return lambda tmp: fc.compile(model_fn(), **kw)
+
+
+def first_call(model_fn, inputs=tokens, **kw):
+    def run(tmp):
+        compiled = fc.compile(model_fn(), backend="aot_eager", **kw)
+        compiled(inputs())
+
+    return run
+
+
+def meta_llama():
+    with torch.device("meta"):
+        return llama()
+
+
+def tensor_parallel_block():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
+    m = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    parallelize_module(m[0], mesh["tp"], ColwiseParallel())
+    fully_shard(m, mesh=mesh["dp"])
+    return m
+
+
+def partly_meta_llama():
+    torch.manual_seed(0)
+    m = Llama(LlamaArgs(n_layers=2))
+    m.layers[1].to_empty(device="meta")  # one block never materialized
+    return shard(m, m.layers)
+
+
+def spmd_mesh_llama():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import DataParallelMeshDims
+
+    from torch.distributed.tensor import distribute_module
+
+    mesh = init_device_mesh("cpu", (8,), mesh_dim_names=("dp",))
+    torch.manual_seed(0)
+    m = distribute_module(Llama(LlamaArgs(n_layers=2)), mesh)  # every parameter a Replicate() DTensor
+    return shard(m, m.layers, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"))
+
+
+def shard_dim_1():
+    from torch.distributed.tensor import Shard
+
+    return llama(shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 else None)
+
+
+def with_setter(setter: str, *args, hsdp: bool = False):
+    """A model whose root had FSDP2's ``setter(*args)`` called before ``compile``."""
+
+    def make():
+        kw = {}
+        if hsdp:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            kw["mesh"] = init_device_mesh("cpu", (2, 4), mesh_dim_names=("replicate", "shard"))
+        m = llama(**kw)
+        getattr(m, setter)(*args)
+        return m
+
+    return make
+
+
+class NotAFile:
+    """dump_dir below a file: not a directory, for any user (root ignores write permissions)."""
+
+
+ROWS = [
+    # CompileConfig: every field's type and range
+    ("backend unknown", config(backend="eager"), ValueError, r"backend must be one of 'inductor', 'aot_eager'.*got 'eager'"),
+    ("backend None", config(backend=None), ValueError, r"backend must be one of .* got None \(NoneType\)"),
+    ("backend callable", config(backend=print), ValueError, r"backend must be one of .*fsdp_compile runs its passes"),
+    ("bucket unknown", config(bucket="sometimes"), ValueError, r"bucket must be one of 'none', 'fsdp_group', 'auto'"),
+    ("bucket number", config(bucket=7), TypeError, r"bucket must be 'none', 'fsdp_group', 'auto' or a list of lists"),
+    ("bucket empty plan", config(bucket=[]), ValueError, r"needs at least one bucket"),
+    ("bucket empty bucket", config(bucket=[[]]), ValueError, r"needs non-empty buckets"),
+    ("bucket flat list", config(bucket=["layers.0", "layers.1"]), ValueError, r"is a flat list.*bucket=\[\['layers.0', 'layers.1'\]\]"),
+    ("bucket mixed", config(bucket=[["layers.0"], "layers.1"]), TypeError, r"every bucket of the plan is a list of FSDP module FQNs"),
+    ("bucket non-string", config(bucket=[["layers.0", 3]]), TypeError, r"holds 3 \(int\): name FSDP modules by their FQN strings"),
+    ("bucket twice", config(bucket=[["layers.0"], ["layers.0"]]), ValueError, r"names 'layers.0' twice"),
+    ("bucket_cap_mb string", config(bucket_cap_mb="10"), TypeError, r"bucket_cap_mb must be a number of MiB > 0 or None, got '10' \(str\)"),
+    ("bucket_cap_mb bool", config(bucket_cap_mb=True), TypeError, r"bucket_cap_mb must be a number"),
+    ("bucket_cap_mb zero", config(bucket_cap_mb=0), ValueError, r"bucket_cap_mb must be a number of MiB > 0"),
+    ("bucket_cap_mb negative", config(bucket_cap_mb=-5), ValueError, r"bucket_cap_mb must be a number of MiB > 0"),
+    ("bucket_cap_mb infinite", config(bucket_cap_mb=float("inf")), ValueError, r"bucket_cap_mb must be a number of MiB > 0"),
+    ("reorder string", config(reorder="no"), TypeError, r"reorder must be True or False, got 'no' \(str\)"),
+    ("reorder int", config(reorder=0), TypeError, r"reorder must be True or False"),
+    ("regions string", config(regions="yes"), TypeError, r"regions must be True or False"),
+    ("memory_budget_gb zero", config(memory_budget_gb=0), ValueError, r"memory_budget_gb must be a number of GiB > 0"),
+    ("memory_budget_gb string", config(memory_budget_gb="1"), TypeError, r"memory_budget_gb must be a number of GiB"),
+    ("memory_budget_gb nan", config(memory_budget_gb=float("nan")), ValueError, r"memory_budget_gb must be a number of GiB > 0"),
+    ("hardware unknown", config(hardware="tpu"), ValueError, r"hardware must be one of 'auto', 'h100-nvlink'"),
+    ("hardware case", config(hardware="H100-NVLINK"), ValueError, r"hardware must be one of"),
+    ("kernels unknown", config(kernels="cuda"), ValueError, r"kernels must be one of 'auto', 'triton', 'torch'"),
+    ("dump_dir not a path", config(dump_dir=123), TypeError, r"dump_dir must be a directory path or None"),
+    ("dump_dir below a file", lambda tmp: fc.CompileConfig(dump_dir=str(tmp / "file" / "dump")), ValueError,
+     r"dump_dir='.*file/dump' is not a directory .*point it at a directory you can write"),
+    ("FSDP_COMPILE_DUMP below a file", "env", ValueError, r"\$FSDP_COMPILE_DUMP='.*file/dump' is not a directory"),
+    ("unknown option", lambda tmp: fc.CompileConfig().replace(bucket_size=3), TypeError, r"unknown CompileConfig option\(s\) \['bucket_size'\]"),
+    ("unknown override", compile_(llama, bucket_sizes=1), TypeError, r"unknown CompileConfig option\(s\) \['bucket_sizes'\]"),
+    ("config of another type", compile_(llama, config={"backend": "aot_eager"}), TypeError, r"config must be a fsdp_compile.CompileConfig, got dict"),
+    # models
+    ("not sharded", lambda tmp: fc.compile(nn.Linear(4, 4)), ValueError, r"has no module sharded by fully_shard: call .*fully_shard"),
+    ("torch.compile'd", lambda tmp: fc.compile(torch.compile(llama())), TypeError, r"torch.compile'd module; pass the uncompiled"),
+    ("compiled twice", lambda tmp: fc.compile(fc.compile(llama())), TypeError, r"already compiled by fsdp_compile.compile"),
+    ("meta parameters", compile_(meta_llama), ValueError, r"still on the meta device .*materialize them before training"),
+    ("some parameters on meta", compile_(partly_meta_llama), ValueError, r"parameters are still on the meta device \(e.g. 'layers.1\."),
+    ("tensor parallel", compile_(tensor_parallel_block), NotImplementedError, r"already a DTensor before fully_shard .*not supported"),
+    ("int reshard_after_forward", compile_(lambda: llama(reshard_after_forward=2)), NotImplementedError, r"int reshard_after_forward"),
+    ("dp_mesh_dims", compile_(spmd_mesh_llama), NotImplementedError, r"dp_mesh_dims=\.\.\.\) .*pass the data-parallel mesh"),
+    ("Shard(1) placements", compile_(shard_dim_1), NotImplementedError, r"only Shard\(0\) placements"),
+    # FSDP2 setters we cannot compile: refused naming the setter (set after compile: at the next call)
+    ("set_reshard_after_backward", compile_(with_setter("set_reshard_after_backward", False)), NotImplementedError,
+     r"set_reshard_after_backward\(False\) keeps the parameters unsharded"),
+    ("set_unshard_in_backward", compile_(with_setter("set_unshard_in_backward", False)), NotImplementedError,
+     r"set_unshard_in_backward\(False\)"),
+    ("set_reduce_scatter_unused_params", compile_(with_setter("set_reduce_scatter_unused_params", True)),
+     NotImplementedError, r"set_reduce_scatter_unused_params\(True\)"),
+    ("set_reduce_scatter_max_input_buffers", compile_(with_setter("set_reduce_scatter_max_input_buffers", 2)),
+     NotImplementedError, r"set_reduce_scatter_max_input_buffers\(2\)"),
+    ("set_allocate_memory_from_process_group_for_comm",
+     compile_(with_setter("set_allocate_memory_from_process_group_for_comm", True)), NotImplementedError,
+     r"set_custom_all_gather / set_custom_reduce_scatter"),
+    ("set_separate_reduce_scatter_group", compile_(with_setter("set_separate_reduce_scatter_group", True)),
+     NotImplementedError, r"set_separate_reduce_scatter_group\(True\)"),
+    ("set_all_reduce_hook", compile_(with_setter("set_all_reduce_hook", lambda grad: None)), NotImplementedError,
+     r"set_all_reduce_hook"),
+    ("set_requires_all_reduce", compile_(with_setter("set_requires_all_reduce", False, hsdp=True)),
+     NotImplementedError, r"set_requires_all_reduce\(False\)"),
+    ("config to explain", lambda tmp: fc.explain(llama(), tokens(), backend="aot_eager"), TypeError,
+     r"explain\(\) got backend='aot_eager'.*config=fsdp_compile.CompileConfig\(backend='aot_eager'\)"),
+    # options checked against the model, before any trace
+    ("bucket names no module", compile_(llama, bucket=[["layers.9"]]), ValueError, r"names 'layers.9', which is not an FSDP module"),
+    ("bucket_cap_mb below a module", compile_(llama, bucket_cap_mb=0.001), ValueError, r"bucket_cap_mb=0.001 is below FSDP module"),
+    # at the first call, where the schedule is planned
+    ("bucket mixes reshard", first_call(llama, bucket=[["", "layers.0"]]), ValueError, r"mixes FSDP modules .* differ in reshard_after_forward; split it"),
+    ("memory budget too small", first_call(llama, memory_budget_gb=1e-9), ValueError, r"memory_budget_gb=1e-09 is below the .* MiB .*raise it, or leave it None"),
+    # inputs
+    ("input on another device", first_call(llama, inputs=lambda: tokens(device="meta")), ValueError, r"is on meta, but the model's parameters are on cpu: move the inputs there"),
+    ("input of the wrong dtype", first_call(llama, inputs=lambda: tokens(dtype=torch.float32)), Exception, r"Long"),
+]
+
+
+@pytest.mark.parametrize("name, call, exc, match", ROWS, ids=[r[0] for r in ROWS])
+def test_bad_input(name, call, exc, match, tmp_path, monkeypatch):
+    (tmp_path / "file").write_text("not a directory")
+    if call == "env":
+        monkeypatch.setenv("FSDP_COMPILE_DUMP", str(tmp_path / "file" / "dump"))
+        call = lambda tmp: fc.CompileConfig()  # noqa: E731
+    with fake_process_group(8):
+        with pytest.raises(exc, match=match) as info:
+            call(tmp_path)
+    if exc is not Exception:  # our own errors: one line (the model's own dtype error comes from the model)
+        assert "\n" not in str(info.value), str(info.value)
+
+
+def test_the_table_is_long_enough():
+    assert len(ROWS) >= 40
+    assert {f.name for f in dataclasses.fields(fc.CompileConfig)} <= {r[0].split()[0] for r in ROWS}
