@@ -10,6 +10,7 @@ import itertools
 import torch
 import torch.nn as nn
 from torch.distributed.fsdp import fully_shard as _torch_fully_shard
+from torch.distributed.utils import _to_kwargs
 from torch.utils._pytree import tree_flatten
 
 import torch.distributed as dist
@@ -20,7 +21,7 @@ from fsdp_compile.backend import CapturedGraphs, make_backend
 from fsdp_compile.config import CompileConfig
 from fsdp_compile.passes.cost_model import CostModel, resolve_hardware
 from fsdp_compile.passes.schedule import Schedule, modules_of, plan_schedule
-from fsdp_compile.plan import ShardingPlan, check_ranks_agree, read_plan
+from fsdp_compile.plan import ShardingPlan, check_ranks_agree, param_groups, read_plan, settings_key
 from fsdp_compile.report import Bucket, Report, count_collectives
 
 __all__ = ["fully_shard", "compile", "explain", "CompiledFSDPModule"]
@@ -38,6 +39,34 @@ def fully_shard(module, **kwargs):
 
 
 fully_shard.__signature__ = inspect.signature(_torch_fully_shard)
+
+
+class _Step:
+    """One compiled step: its sharding plan, its schedule, the compiled function, and the parameters it reads."""
+
+    def __init__(self, model: nn.Module, plan: ShardingPlan, schedule: Schedule, compiled):
+        self.plan, self.schedule, self.compiled = plan, schedule, compiled
+        self.param_plans = [capture.unit_params(plan, u) for u in schedule.units]
+        self.params = self.lookup(model)
+        owners: dict[int, tuple[nn.Module, str]] = {}
+        for module in model.modules():
+            for name, p in module._parameters.items():
+                if p is not None:
+                    owners.setdefault(id(p), (module, name))
+        self._slots = [[owners[id(p)] for p in unit] for unit in self.params]  # where each parameter lives
+
+    def lookup(self, model: nn.Module) -> list[list[nn.Parameter]]:
+        """The model's current parameter objects, per unit."""
+        by_name = dict(model.named_parameters())
+        return [[by_name[pp.fqn] for pp in unit] for unit in self.param_plans]
+
+    def current(self) -> bool:
+        """Whether the model still holds the parameter objects this step reads (attribute reads only)."""
+        return all(
+            module._parameters.get(name) is p
+            for unit, slots in zip(self.params, self._slots)
+            for p, (module, name) in zip(unit, slots)
+        )
 
 
 class CompiledFSDPModule(nn.Module):
@@ -61,43 +90,118 @@ class CompiledFSDPModule(nn.Module):
         ))
         self.schedule: Schedule | None = None  # planned at the first call (it needs the agreed workload)
         self._codegen = codegen
-        self._compiled = None
-        self._unit_params: list[list[nn.Parameter]] = []
+        self._groups = param_groups(model)  # [(fqn, FSDP state, param group)]: FSDP2's runtime settings
+        self._steps: dict[tuple, _Step] = {}  # per plan: FSDP2's settings other than gradient sync
+        self._sinks: dict[str, torch.Tensor] = {}  # parameter FQN -> accumulation sink (no-sync micro-batches)
+        self._meta = any(p.is_meta for p in model.parameters())  # explain's full-scale capture without memory
 
     def forward(self, *args, **kwargs):
-        if self._compiled is None:
-            self._plan_and_compile(args, kwargs)
+        if self.plan.device.type not in ("cpu", "meta") and (args or kwargs):
+            # as FSDP2's root pre-forward does (and DDP): inputs move to the parameters' accelerator
+            (args,), (kwargs,) = _to_kwargs(args, kwargs, self.plan.device, False)
+        elif self.plan.device.type == "cpu" and not self._meta:
+            _check_input_devices(args, kwargs, self.plan.device)
+        step = self._current_step(args, kwargs)
         # The local shards are taken eagerly, outside the graph: DTensor.to_local() is differentiable, so
         # autograd carries each shard gradient back to its DTensor parameter's .grad, while the graph
         # sees plain tensors only (no DTensor desugaring, no DeviceMesh among the saved values, which
         # AOTAutograd's activation-checkpointing path cannot save).
-        shards = [[p.to_local() for p in unit] for unit in self._unit_params]
-        with capture.active(regions=self.config.regions):
-            return self._compiled(shards, *args, **kwargs)
+        shards = [[p.to_local() for p in unit] for unit in step.params]
+        sinks, accumulated = self._gradient_sync(step)
+        try:
+            with capture.active(regions=self.config.regions), _named_collective_failures():
+                return step.compiled(shards, sinks, accumulated, *args, **kwargs)
+        finally:
+            capture.flush_logs()
 
-    def _plan_and_compile(self, args, kwargs) -> None:
-        """The first call, on every rank together: agree on the workload, plan the communication schedule
-        (the same on every rank: ``passes/schedule.py``), then build the compiled step. Later calls, and
-        every recompile (new shapes, eval mode), reuse both: no rank ever plans, or talks to the others,
-        on its own."""
+    def _current_step(self, args, kwargs) -> _Step:
+        """The compiled step for FSDP2's current settings and parameters (a change takes effect here)."""
+        for fqn, _, pg in self._groups:
+            if not pg.is_sharded or pg._all_gather_result is not None:  # unsharded, or an all-gather in flight
+                raise ValueError(
+                    f"FSDP module {fqn or '<root>'!r} holds unsharded parameters (model.unshard(), or an eager "
+                    "forward that did not reshard): call model.reshard() (after waiting on its UnshardHandle) "
+                    "before calling the compiled model, which gathers the parameters itself"
+                )
+        key = settings_key(self._groups)
+        plan_key = tuple(k[:1] + k[3:] for k in key)  # gradient sync is a mode of a step, not another plan
+        step = self._steps.get(plan_key)
+        if step is None:
+            if self._steps:  # a setting changed since the last plan: read it again (refuses what we cannot do)
+                self.plan = read_plan(self._orig_mod)
+            step = self._steps[plan_key] = self._plan_and_compile(args, kwargs)
+        elif not step.current():
+            # parameters replaced (load_state_dict(assign=True), to_empty, ...): FSDP2's own references too
+            for _, _, pg in self._groups:
+                for fp in pg.fsdp_params:
+                    fp.reset_sharded_param()
+            plan = read_plan(self._orig_mod)
+            if plan.fingerprint() != self.plan.fingerprint():
+                raise ValueError(
+                    "the model's parameters were replaced by ones of other shapes, dtypes or sharding than "
+                    "fsdp_compile.compile planned for: call fsdp_compile.compile again on the model"
+                )
+            step.params = step.lookup(self._orig_mod)
+        self.schedule = step.schedule
+        return step
+
+    def _gradient_sync(self, step: _Step) -> tuple[list, list]:
+        """Per unit: sinks for the unsharded gradients (FSDP2's set_requires_gradient_sync(False): no
+        reduce-scatter, gradients accumulated unsharded) or, when it syncs, the gradients accumulated so
+        far (consumed by this step's reduce-scatter, so forgotten here)."""
+        reduce_grads = {fqn: pg.reduce_grads for fqn, _, pg in self._groups}
+        sinks, accumulated = [], []
+        for unit, params, plans in zip(step.schedule.units, step.params, step.param_plans):
+            flags = {reduce_grads[f] for f in unit.members}
+            if len(flags) > 1:
+                raise ValueError(
+                    f"set_requires_gradient_sync differs between FSDP modules {list(unit.members)}, which share one "
+                    "all-gather and reduce-scatter (a bucket): set it alike for them, or compile with "
+                    "bucket='fsdp_group'"
+                )
+            if flags.pop():
+                acc = []
+                for pp in plans:
+                    sink = self._sinks.get(pp.fqn)
+                    acc.append(None if sink is None else sink.grad)
+                    if sink is not None:
+                        sink.grad = None
+                sinks.append([])
+                accumulated.append(acc if any(a is not None for a in acc) else [])
+            else:
+                sinks.append([self._sink(pp, step.plan) if pp.requires_grad else None for pp in plans])
+                accumulated.append([])
+        return sinks, accumulated
+
+    def _sink(self, pp, plan: ShardingPlan) -> torch.Tensor:
+        sink = self._sinks.get(pp.fqn)
+        if sink is None:
+            group = next(g for g in plan.groups if any(q.fqn == pp.fqn for q in g.params))
+            dtype = group.reduce_dtype or group.param_dtype or pp.orig_dtype  # FSDP2 accumulates in the reduce dtype
+            # a leaf of the parameter's full shape that owns one element: only its .grad holds memory
+            sink = torch.empty_strided(pp.full_shape, (0,) * len(pp.full_shape), dtype=dtype, device=plan.device)
+            self._sinks[pp.fqn] = sink.requires_grad_()
+        return sink
+
+    def _plan_and_compile(self, args, kwargs) -> _Step:
+        """On every rank together (the first call, or the first after FSDP2's settings changed): agree on
+        the workload, plan the communication schedule (the same on every rank: ``passes/schedule.py``),
+        then build the compiled step. Later calls, and every recompile (new shapes, eval mode), reuse
+        both: no rank ever plans, or talks to the others, on its own."""
         workload = agreed_workload(self.plan, args, kwargs)
         cfg = self.config
-        self.schedule = plan_schedule(
+        schedule = plan_schedule(
             modules_of(self.plan), policy=cfg.bucket if isinstance(cfg.bucket, str) else [list(b) for b in cfg.bucket],
             reorder=cfg.reorder, cost_model=self.cost_model, workload=workload,
             bucket_cap_bytes=None if cfg.bucket_cap_mb is None else int(cfg.bucket_cap_mb * 2**20),
-            memory_budget_bytes=None if cfg.memory_budget_gb is None else int(cfg.memory_budget_gb * 2**30),
+            memory_budget_bytes=None if cfg.memory_budget_gb is None else cfg.memory_budget_gb * 2**30,
         )
-        by_name = dict(self._orig_mod.named_parameters())
-        self._unit_params = [
-            [by_name[p.fqn] for p in capture.unit_params(self.plan, u)] for u in self.schedule.units
-        ]
-        step = _make_step(self._orig_mod, self.plan, self.schedule, self.kernels)
+        fn = _make_step(self._orig_mod, self.plan, schedule, self.kernels)
         # its own code object: Dynamo keeps its compiled entries (and its recompile limit, 8 by default)
         # per code object, so one process can hold many compiled models without their guards evicting each other
-        step = capture._unique_code(step, f"fsdp_compile_step_{next(_instances)}")
-        backend = make_backend(cfg, self.plan, self.schedule, self.cost_model, self.captured, codegen=self._codegen)
-        self._compiled = torch.compile(step, backend=backend, fullgraph=True)
+        fn = capture._unique_code(fn, f"fsdp_compile_step_{next(_instances)}")
+        backend = make_backend(cfg, self.plan, schedule, self.cost_model, self.captured, codegen=self._codegen)
+        return _Step(self._orig_mod, self.plan, schedule, torch.compile(fn, backend=backend, fullgraph=True))
 
     # The original model's state, unprefixed.
     def named_parameters(self, *args, **kwargs):
@@ -125,9 +229,39 @@ class CompiledFSDPModule(nn.Module):
             return getattr(self._orig_mod, name)
 
 
+def _check_input_devices(args, kwargs, device: torch.device) -> None:
+    for t in tree_flatten((args, kwargs))[0]:
+        if isinstance(t, torch.Tensor) and t.device.type != device.type:
+            raise ValueError(
+                f"an input tensor of shape {tuple(t.shape)} is on {t.device}, but the model's parameters are on "
+                f"{device}: move the inputs there first"
+            )
+
+
+@contextlib.contextmanager
+def _named_collective_failures():
+    """A collective of the compiled step that fails (a peer gone, sizes that do not match, a timeout) is
+    almost always ranks that diverged: say so, and what to check, instead of gloo's or NCCL's words alone."""
+    try:
+        yield
+    except (RuntimeError, dist.DistError) as e:
+        text = str(e)
+        markers = ("gloo", "Gloo", "NCCL", "Connection closed", "Timed out", "timed out", "Received data size",
+                   "doesn't match", "connection reset", "Connection reset", "DistBackendError")
+        if not dist.is_initialized() or not any(m in text or m in type(e).__name__ for m in markers):
+            raise
+        first = text.strip().splitlines()[0][:300] if text.strip() else type(e).__name__
+        raise RuntimeError(
+            f"fsdp_compile: a collective of the compiled step failed on rank {dist.get_rank()} ({first}). The "
+            "ranks most likely diverged: every rank must call the compiled model for every step, with the same "
+            "model and config, and none may have stopped; the first rank to fail says why (README: "
+            "Troubleshooting)"
+        ) from e
+
+
 def _make_step(model, plan, schedule, kernels):
-    def step(shards, *args, **kwargs):
-        return capture.traced_forward(model, plan, schedule, kernels, shards, args, kwargs)
+    def step(shards, sinks, accumulated, *args, **kwargs):
+        return capture.traced_forward(model, plan, schedule, kernels, shards, sinks, accumulated, args, kwargs)
 
     return step
 
@@ -151,8 +285,7 @@ def agreed_workload(plan: ShardingPlan, args, kwargs) -> int:
         return local
     from torch.distributed.distributed_c10d import _resolve_process_group
 
-    names = sorted({g.group_name for g in plan.groups})
-    return agree_max(local, [_resolve_process_group(n) for n in names], plan.device)
+    return agree_max(local, [_resolve_process_group(n) for n in plan.process_group_names()], plan.device)
 
 
 def _resolve_kernels(kernels: str, plan: ShardingPlan) -> str:
@@ -172,6 +305,14 @@ def compile(model: nn.Module, config: CompileConfig | None = None, **overrides) 
     """
     if isinstance(model, CompiledFSDPModule):
         raise TypeError("this model is already compiled by fsdp_compile.compile; pass the original module")
+    if isinstance(model, nn.Module):
+        meta = [n for n, p in model.named_parameters() if p.is_meta]
+        if meta:
+            raise ValueError(
+                f"{len(meta)} parameters are still on the meta device (e.g. {meta[0]!r}): materialize them before "
+                "training, as fully_shard requires (model.to_empty(device=...), then initialize them); "
+                "fsdp_compile.explain captures a meta model without memory"
+            )
     config, plan = _prepare(model, config, overrides)
     return CompiledFSDPModule(model, plan, config)
 
@@ -192,6 +333,7 @@ def explain_with_graphs(model: nn.Module, example_args, example_kwargs, config: 
     """``explain``, also returning the ``CapturedGraphs`` (every stage's graph, for dumps)."""
     if isinstance(model, CompiledFSDPModule):
         config, model = config or model.config, model._orig_mod
+    _check_model_kwargs(model, example_kwargs or {})
     config, plan = _prepare(model, config, {})
     compiled = CompiledFSDPModule(model, plan, config, codegen=False)
     from torch._dynamo.utils import counters
@@ -236,6 +378,23 @@ def explain_with_graphs(model: nn.Module, example_args, example_kwargs, config: 
     ), compiled.captured
 
 
+def _check_model_kwargs(model: nn.Module, kwargs: dict) -> None:
+    """``explain(model, x, backend=...)``: keywords are the model's inputs, and CompileConfig fields that its
+    forward does not take are almost certainly meant for the config."""
+    fields = {f.name for f in dataclasses.fields(CompileConfig)} & set(kwargs)
+    if not fields or not isinstance(model, nn.Module):
+        return
+    params = inspect.signature(model.forward).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    misplaced = sorted(f for f in fields if f not in params and not takes_any)
+    if misplaced:
+        shown = ", ".join(f"{f}={kwargs[f]!r}" for f in misplaced)
+        raise TypeError(
+            f"explain() got {shown}, which the model's forward does not take: CompileConfig fields go in "
+            f"config=fsdp_compile.CompileConfig({shown}); keywords are the model's inputs"
+        )
+
+
 @contextlib.contextmanager
 def _preserved_state(model: nn.Module):
     params = list(model.parameters())
@@ -269,6 +428,7 @@ def _prepare(model: nn.Module, config: CompileConfig | None, overrides: dict) ->
     check_ranks_agree(plan, config.agreement_items())
     capture.install_hooks(model)
     capture.install_regions(model, plan)
+    capture.install_logging(model)
     return config, plan
 
 

@@ -20,6 +20,8 @@ model with the full tensors. The passes then move each unshard to just before it
 from __future__ import annotations
 
 import functools
+import logging
+import sys
 import types
 
 import torch
@@ -43,14 +45,80 @@ class _Active:
         global _ACTIVE, _REGIONS
         self._prev = (_ACTIVE, _REGIONS)
         _ACTIVE, _REGIONS = True, self.regions
+        self._loggers = [(module, module.logger) for module, proxy in _LOGGERS]
+        for module, proxy in _LOGGERS:
+            module.logger = proxy
 
     def __exit__(self, *exc):
         global _ACTIVE, _REGIONS
         _ACTIVE, _REGIONS = self._prev
+        for module, logger in self._loggers:
+            module.logger = logger
 
 
 def active(regions: bool = False) -> _Active:
     return _Active(regions)
+
+
+# --- logging inside the captured step -------------------------------------------------------------------
+#
+# Model code logs (transformers' ``logger.warning_once`` in its loss, say), and Dynamo cannot trace a
+# logging.Logger method: under fullgraph=True that is an error. Dynamo's ``reorderable_logging_functions``
+# do not help: torch 2.13 replays only the calls made in the top frame and drops those inside inlined
+# functions, i.e. every call a model makes. While our step runs, each such module's ``logger`` global is
+# a stand-in whose logging methods append ``(logger, method, args, kwargs)`` to ``_PENDING``: a list
+# mutation, which Dynamo traces and replays after the graph like any side effect. ``flush_logs`` (after
+# every compiled call) hands them to the real logger, so the message is emitted, once where it says once.
+
+_LOG_METHODS = ("debug", "info", "warning", "warn", "error", "critical", "exception", "log", "warning_once",
+                "info_once", "warning_advice")
+_LOGGERS: list[tuple[object, object]] = []  # (module, stand-in), swapped in while our step runs
+_REAL: dict[str, logging.Logger] = {}  # logger name -> the module's real logger
+_PENDING: list[tuple] = []  # (logger name, method, args, kwargs) logged by the last compiled call
+
+
+class _DeferredLogger:
+    def __init__(self, logger: logging.Logger):
+        self._logger = logger
+        self._name = logger.name
+        _REAL[logger.name] = logger
+
+    def __getattr__(self, name: str):  # everything but the logging methods: the real logger's
+        return getattr(self._logger, name)
+
+
+def _deferred(method: str):
+    def log(self, *args, **kwargs):
+        _PENDING.append((self._name, method, args, kwargs))
+
+    log.__name__ = method
+    return log
+
+
+for _method in _LOG_METHODS:
+    setattr(_DeferredLogger, _method, _deferred(_method))
+
+
+def flush_logs() -> None:
+    """Emit what the model logged during the compiled call, through the real loggers, in order."""
+    pending = list(_PENDING)
+    _PENDING.clear()
+    for name, method, args, kwargs in pending:
+        getattr(_REAL[name], method)(*args, **kwargs)
+
+
+def install_logging(model: nn.Module) -> int:
+    """Stand-ins for the ``logger`` globals of the modules that define the model's classes, and of
+    transformers (its base classes and losses log too); idempotent. Returns how many there are."""
+    names = {type(m).__module__ for m in model.modules()}
+    names |= {n for n in sys.modules if n == "transformers" or n.startswith("transformers.")}
+    have = {id(module) for module, _ in _LOGGERS}
+    for name in sorted(names):
+        module = sys.modules.get(name)
+        logger = getattr(module, "logger", None) if module is not None else None
+        if isinstance(logger, logging.Logger) and id(module) not in have:
+            _LOGGERS.append((module, _DeferredLogger(logger)))
+    return len(_LOGGERS)
 
 
 def _cast(dtype, tree):
@@ -84,29 +152,51 @@ def _make_post_hook(state, fsdp_hook):
     return fsdp_compile_post_forward
 
 
+def _wraps(hook, fn) -> bool:
+    """``hook`` is ``fn``, or wraps it: a group's hooks are ``functools.wraps`` wrappers of the state's
+    (``_register_group_forward_hooks``), themselves wrapped by ``torch._dynamo.disable``."""
+    for _ in range(8):
+        if hook is None:
+            return False
+        if hook == fn:
+            return True
+        hook = getattr(hook, "__wrapped__", None)
+    return False
+
+
 def install_hooks(model: nn.Module) -> None:
-    """Swap FSDP2's forward hooks for dispatchers (idempotent; eager behaviour is unchanged)."""
-    for fqn, module, state in fsdp_states(model):
-        pre_id = state._pre_forward_hook_handle.id
-        post_id = state._post_forward_hook_handle.id
-        pre, post = module._forward_pre_hooks.get(pre_id), module._forward_hooks.get(post_id)
-        if pre is None or post is None:
-            raise RuntimeError(f"FSDP2's forward hooks on {fqn or '<root>'!r} are missing; was the hook removed?")
-        if not hasattr(pre, "fsdp_hook"):
-            module._forward_pre_hooks[pre_id] = _make_pre_hook(state, pre)
-        if not hasattr(post, "fsdp_hook"):
-            module._forward_hooks[post_id] = _make_post_hook(state, post)
+    """Swap FSDP2's forward hooks for dispatchers (idempotent; eager behaviour is unchanged). A group of
+    several modules (``fully_shard([m1, m2])``) has FSDP2's hooks, wrapped, on each of them."""
+    for fqn, _, state in fsdp_states(model):
+        for module in state._modules:
+            for hooks, fsdp_fn, make in (
+                (module._forward_pre_hooks, state._pre_forward, _make_pre_hook),
+                (module._forward_hooks, state._post_forward, _make_post_hook),
+            ):
+                found = False
+                for hook_id, hook in list(hooks.items()):
+                    if hasattr(hook, "fsdp_hook"):
+                        found = True
+                    elif _wraps(hook, fsdp_fn):
+                        hooks[hook_id] = make(state, hook)
+                        found = True
+                if not found:
+                    raise RuntimeError(f"FSDP2's forward hooks on {fqn or '<root>'!r} are missing; was a hook removed?")
 
 
 def traced_forward(
-    model: nn.Module, plan: ShardingPlan, schedule: Schedule, kernels: str, shards: list[list[torch.Tensor]], args, kwargs
+    model: nn.Module, plan: ShardingPlan, schedule: Schedule, kernels: str, shards: list[list[torch.Tensor]],
+    sinks: list[list], accumulated: list[list], args, kwargs
 ):
     """The function Dynamo captures: one ``fsdp_compile::unshard`` per unit of the schedule (``shards[i]``:
-    the local shards of ``unit_params(plan, schedule.units[i])``), then the model on the full parameters."""
+    the local shards of ``unit_params(plan, schedule.units[i])``; ``sinks[i]`` / ``accumulated[i]``: gradient
+    accumulation without sync, see the op), then the model on the full parameters."""
     full = {}
     for i, (unit, unit_shards) in enumerate(zip(schedule.units, shards)):
         params = unit_params(plan, unit)
-        gathered = torch.ops.fsdp_compile.unshard(unit_shards, *unshard_args(plan, unit, i, kernels).schema())
+        gathered = torch.ops.fsdp_compile.unshard(
+            unit_shards, sinks[i], accumulated[i], *unshard_args(plan, unit, i, kernels).schema()
+        )
         full.update({p.fqn: t for p, t in zip(params, gathered)})
     return torch.func.functional_call(model, full, args, kwargs, tie_weights=True, strict=False)
 
@@ -125,7 +215,8 @@ def unshard_args(plan: ShardingPlan, unit: Unit, index: int, kernels: str) -> Un
         comm=Comm(unit.members, index, group.group_name, group.world_size, group.rank, kernels),
         dim0s=tuple(p.full_shape[0] for p in unit_params(plan, unit)),
         param_dtype=group.param_dtype,
-        reduction=Reduction(group.reduce_dtype, group.reduce_op, group.pre_factor, group.post_factor),
+        reduction=Reduction(group.reduce_dtype, group.reduce_op, group.pre_factor, group.post_factor,
+                            group.replicate_group_name, group.all_reduce_op),
     )
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -61,7 +62,9 @@ class Reduction:
     dtype: torch.dtype | None  # reduce-scatter dtype; None: the gradient's own
     op: str  # "avg" | "sum" | "premul_sum"
     pre_factor: float | None  # divisor before a "sum", multiplier for "premul_sum"
-    post_factor: float | None  # divisor after the reduce-scatter
+    post_factor: float | None  # divisor after the reduce-scatter (and HSDP's all-reduce)
+    all_reduce_group: str | None = None  # HSDP: the replicate dimension's process group, all-reduced after the RS
+    all_reduce_op: str = "avg"  # HSDP: "avg" | "sum"
 
 
 def _to_schema(comm: Comm, sizes: tuple[int, ...], dtype: torch.dtype | None, reduction: Reduction) -> tuple:
@@ -69,13 +72,14 @@ def _to_schema(comm: Comm, sizes: tuple[int, ...], dtype: torch.dtype | None, re
     dtype, the ``Reduction``. The records below keep their fields in that order."""
     # FQNs never hold a comma, and a schema has no list of strings: the members travel joined
     return (list(sizes), ",".join(comm.fsdp_groups), comm.unit, comm.group_name, comm.world_size, comm.rank,
-            comm.kernels, dtype, reduction.dtype, reduction.op, reduction.pre_factor, reduction.post_factor)
+            comm.kernels, dtype, reduction.dtype, reduction.op, reduction.pre_factor, reduction.post_factor,
+            reduction.all_reduce_group or "", reduction.all_reduce_op)
 
 
 def _from_schema(sizes, fsdp_groups, unit, group_name, world_size, rank, kernels, dtype, reduce_dtype, reduce_op,
-                 pre_factor, post_factor) -> tuple:
+                 pre_factor, post_factor, all_reduce_group, all_reduce_op) -> tuple:
     return (Comm(tuple(fsdp_groups.split(",")), unit, group_name, world_size, rank, kernels), tuple(sizes), dtype,
-            Reduction(reduce_dtype, reduce_op, pre_factor, post_factor))
+            Reduction(reduce_dtype, reduce_op, pre_factor, post_factor, all_reduce_group or None, all_reduce_op))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,6 +181,8 @@ def reduce_scatter_grads_impl(grads: list[Tensor], args: ReduceScatterArgs) -> l
             reduced = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(packed, op, c.world_size, c.group_name))
         else:
             reduced = packed.clone()
+        if r.all_reduce_group is not None:  # HSDP: then across the replicas, as FSDP2's foreach_reduce
+            reduced = _c10d.wait_tensor(_c10d.all_reduce(reduced, r.all_reduce_op, r.all_reduce_group))
         if r.post_factor is not None:
             reduced = reduced / r.post_factor
         if c.kernels == "triton":
@@ -220,20 +226,26 @@ def _unpack_grads(reduced: Tensor, grads, local_rows, world_size: int, dtype: to
 
 @torch.library.custom_op("fsdp_compile::unshard", mutates_args=())
 def unshard(
-    shards: list[Tensor], dim0s: list[int], fsdp_groups: str, unit: int, group_name: str, world_size: int, rank: int,
-    kernels: str, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None, reduce_op: str,
-    pre_factor: float | None, post_factor: float | None,
+    shards: list[Tensor], sinks: list[Optional[Tensor]], accumulated: list[Optional[Tensor]], dim0s: list[int],
+    fsdp_groups: str, unit: int, group_name: str, world_size: int, rank: int, kernels: str,
+    param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None, reduce_op: str, pre_factor: float | None,
+    post_factor: float | None, all_reduce_group: str, all_reduce_op: str,
 ) -> list[Tensor]:
-    """All-gather one FSDP group's dim-0 shards into full parameters (see the module docstring).
-    The arguments after ``shards`` are ``UnshardArgs.schema()``; the reduce-side ones parametrize the
-    backward, ``reduce_scatter_grads``."""
+    """All-gather one unit's dim-0 shards into full parameters (see the module docstring). The arguments
+    after ``accumulated`` are ``UnshardArgs.schema()``; the reduce-side ones parametrize the backward.
+
+    Gradient accumulation without sync (FSDP2's ``set_requires_gradient_sync(False)``): ``sinks`` (one per
+    parameter, empty otherwise) are leaves that own no memory; the backward then hands them the unsharded
+    gradients instead of reduce-scattering, and autograd accumulates them into ``sink.grad`` in the sink's
+    dtype (the reduce dtype), as FSDP2 keeps its unsharded gradients. The step that syncs passes those as
+    ``accumulated``: its backward adds them to its own before the reduce-scatter, as FSDP2 does."""
     args = UnshardArgs.from_schema(dim0s, fsdp_groups, unit, group_name, world_size, rank, kernels, param_dtype,
-                                   reduce_dtype, reduce_op, pre_factor, post_factor)
+                                   reduce_dtype, reduce_op, pre_factor, post_factor, all_reduce_group, all_reduce_op)
     return [t.clone() for t in unshard_impl(shards, args)]
 
 
 @unshard.register_fake
-def _(shards, dim0s, fsdp_groups, unit, group_name, world_size, rank, kernels, param_dtype, *reduction):
+def _(shards, sinks, accumulated, dim0s, fsdp_groups, unit, group_name, world_size, rank, kernels, param_dtype, *reduction):
     return [s.new_empty((d, *s.shape[1:]), dtype=param_dtype or s.dtype) for s, d in zip(shards, dim0s)]
 
 
@@ -241,12 +253,13 @@ def _(shards, dim0s, fsdp_groups, unit, group_name, world_size, rank, kernels, p
 def reduce_scatter_grads(
     grads: list[Tensor], local_rows: list[int], fsdp_groups: str, unit: int, group_name: str, world_size: int,
     rank: int, kernels: str, orig_dtype: torch.dtype, reduce_dtype: torch.dtype, reduce_op: str,
-    pre_factor: float | None, post_factor: float | None,
+    pre_factor: float | None, post_factor: float | None, all_reduce_group: str, all_reduce_op: str,
 ) -> list[Tensor]:
     """Reduce-scatter full-parameter gradients into this rank's shard gradients (FSDP2's post-backward).
     The arguments after ``grads`` are ``ReduceScatterArgs.schema()``."""
     args = ReduceScatterArgs.from_schema(local_rows, fsdp_groups, unit, group_name, world_size, rank, kernels,
-                                         orig_dtype, reduce_dtype, reduce_op, pre_factor, post_factor)
+                                         orig_dtype, reduce_dtype, reduce_op, pre_factor, post_factor,
+                                         all_reduce_group, all_reduce_op)
     return [t.clone() for t in reduce_scatter_grads_impl(grads, args)]
 
 
@@ -256,27 +269,39 @@ def _(grads, local_rows, fsdp_groups, unit, group_name, world_size, rank, kernel
 
 
 def _unshard_setup_context(ctx, inputs, output) -> None:
-    shards, *schema = inputs
+    shards, sinks, accumulated, *schema = inputs
     ctx.args = UnshardArgs.from_schema(*schema)
     ctx.local_rows = [s.shape[0] for s in shards]
     ctx.orig_dtypes = [s.dtype for s in shards]
     ctx.trainable = [s.requires_grad for s in shards]
+    ctx.no_sync = any(t is not None for t in sinks)
+    ctx.accumulated_at = [i for i, a in enumerate(accumulated) if a is not None]
+    ctx.save_for_backward(*[a for a in accumulated if a is not None])
     ctx.n_schema = len(schema)
+    ctx.n_sinks, ctx.n_accumulated = len(sinks), len(accumulated)  # each [] or one per shard
 
 
 def _unshard_backward(ctx, grads):
     args: UnshardArgs = ctx.args
+    nones = [None] * len(grads)
+    no_accumulated = [None] * ctx.n_accumulated
+    if ctx.no_sync:  # no reduce-scatter: the unsharded gradients go to the sinks (autograd accumulates them)
+        to_sinks = [g if ctx.trainable[i] else None for i, g in enumerate(grads)]
+        return (nones, to_sinks, no_accumulated, *([None] * ctx.n_schema))
+    grads = list(grads)
+    for i, acc in zip(ctx.accumulated_at, ctx.saved_tensors):  # FSDP2: accumulated += this backward's gradient
+        grads[i] = acc if grads[i] is None else acc + grads[i]
     # Only parameters that require grad (and got one) take part, as in FSDP2's post_backward; the
     # selection is static per trace, so every rank issues the same reduce-scatter.
     keep = [i for i, g in enumerate(grads) if g is not None and ctx.trainable[i]]
-    shard_grads: list[Tensor | None] = [None] * len(grads)
+    shard_grads: list[Tensor | None] = list(nones)
     if keep:
         reduction = dataclasses.replace(args.reduction, dtype=args.reduction.dtype or grads[keep[0]].dtype)
         rs = ReduceScatterArgs(args.comm, tuple(ctx.local_rows[i] for i in keep), ctx.orig_dtypes[keep[0]], reduction)
         reduced = reduce_scatter_grads([grads[i] for i in keep], *rs.schema())
         for i, g in zip(keep, reduced):
             shard_grads[i] = g
-    return (shard_grads, *([None] * ctx.n_schema))
+    return (shard_grads, [None] * ctx.n_sinks, no_accumulated, *([None] * ctx.n_schema))
 
 
 unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup_context)
@@ -284,7 +309,9 @@ unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup_contex
 
 # AOTAutograd decomposes our ops into the functional collectives above (see backend.py).
 DECOMPOSITIONS = {
-    torch.ops.fsdp_compile.unshard.default: lambda shards, *schema: unshard_impl(shards, UnshardArgs.from_schema(*schema)),
+    torch.ops.fsdp_compile.unshard.default: (
+        lambda shards, sinks, accumulated, *schema: unshard_impl(shards, UnshardArgs.from_schema(*schema))
+    ),
     torch.ops.fsdp_compile.reduce_scatter_grads.default: (
         lambda grads, *schema: reduce_scatter_grads_impl(grads, ReduceScatterArgs.from_schema(*schema))
     ),

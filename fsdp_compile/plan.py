@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import _get_gradient_divide_factors
+from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Shard
 
@@ -48,6 +49,9 @@ class GroupPlan:
     reduce_op: str  # "avg" | "sum" | "premul_sum"
     pre_factor: float | None  # divisor before a "sum", multiplier for "premul_sum"
     post_factor: float | None  # divisor after the reduce-scatter
+    replicate_group_name: str | None = None  # HSDP: the replicate dimension's process group (all-reduce after RS)
+    replicate_size: int = 1
+    all_reduce_op: str = "avg"  # HSDP: "avg" | "sum"
     forward_prefetch: tuple[str, ...] = ()  # FSDP2's set_modules_to_forward_prefetch: FQNs gathered at our pre-forward
     backward_prefetch: tuple[str, ...] = ()  # ... set_modules_to_backward_prefetch
 
@@ -73,7 +77,8 @@ class GroupPlan:
         """Groups with equal keys can share one all-gather and one reduce-scatter."""
         orig_dtype = self.params[0].orig_dtype  # FSDP2 requires one original dtype per group
         return (self.group_name, self.world_size, self.reshard_after_forward, orig_dtype, self.param_dtype,
-                self.reduce_dtype, self.reduce_op, self.pre_factor, self.post_factor)
+                self.reduce_dtype, self.reduce_op, self.pre_factor, self.post_factor, self.replicate_group_name,
+                self.all_reduce_op)
 
 
 def _padded_numel(shape: tuple[int, ...], world_size: int) -> int:
@@ -88,12 +93,19 @@ class ShardingPlan:
     def fingerprint(self) -> list[tuple]:
         """The rank-independent part of the plan: what every rank must agree on to issue the same
         collectives in the same order (local shard sizes and the rank itself may differ)."""
+        # process groups by size, not name: HSDP's shard groups differ between replicas by name only
         return [
-            (g.fqn, g.group_name, g.world_size, g.reshard_after_forward, str(g.param_dtype), str(g.reduce_dtype),
-             g.reduce_op, g.pre_factor, g.post_factor, g.forward_prefetch, g.backward_prefetch,
+            (g.fqn, g.world_size, g.reshard_after_forward, str(g.param_dtype), str(g.reduce_dtype),
+             g.reduce_op, g.pre_factor, g.post_factor, g.replicate_size, g.all_reduce_op,
+             g.forward_prefetch, g.backward_prefetch,
              tuple((p.fqn, p.full_shape, str(p.orig_dtype), p.requires_grad, p.matmul) for p in g.params))
             for g in self.groups
         ]
+
+    def process_group_names(self) -> list[str]:
+        """Every process group the plan's collectives run on (shard groups; HSDP's replicate groups too)."""
+        names = [g.group_name for g in self.groups] + [g.replicate_group_name for g in self.groups if g.replicate_group_name]
+        return list(dict.fromkeys(names))
 
     def has_fsdp_children(self, fqn: str) -> bool:
         """Whether other FSDP modules live inside module ``fqn`` (the root, usually)."""
@@ -108,11 +120,15 @@ class ShardingPlan:
 
 
 def fsdp_states(model: nn.Module):
-    """``(fqn, module, state)`` for every module sharded by ``fully_shard``, in pre-order."""
-    out = []
+    """``(fqn, module, state)`` for every FSDP state, in pre-order: one per ``fully_shard`` call, named by
+    its first module (``fully_shard([m1, m2])`` shards several modules as one group)."""
+    out, seen = [], set()
     for fqn, module in model.named_modules():
         if isinstance(module, FSDPModule):
-            out.append((fqn, module, module._get_fsdp_state()))
+            state = module._get_fsdp_state()
+            if id(state) not in seen:
+                seen.add(id(state))
+                out.append((fqn, module, state))
     return out
 
 
@@ -151,6 +167,59 @@ def _allow_meta_params(model: nn.Module):
         FSDPParamGroup._validate_no_meta_params = original
 
 
+# FSDP2's runtime setters (FSDPModule.set_*) under compile. ``settings_key`` is read at every compiled call:
+# a change takes effect at the next call, on every rank together (they are SPMD calls), never silently.
+# * honored: set_requires_gradient_sync (a mode of the compiled step: no reduce-scatter, unsharded gradients
+#   accumulated as FSDP2 does), set_reshard_after_forward, set_modules_to_forward_prefetch,
+#   set_modules_to_backward_prefetch, set_gradient_divide_factor, set_reduce_scatter_divide_factor,
+#   set_force_sum_reduction_for_comms (read into a new plan and schedule);
+# * nothing to do under compile (no work of a compiled step is in flight when it returns, and its
+#   collectives run after whatever the caller issued before): set_is_last_backward, set_post_optim_event;
+# * refused, naming the setter (``_unsupported_settings``): the rest, when set away from FSDP2's default.
+_DEFAULT_COMMS = ("DefaultAllGather", "DefaultReduceScatter")
+
+
+def _unsupported_settings(pg) -> list[tuple[str, str]]:
+    out = []
+    if not pg.reshard_after_backward:
+        out.append(("set_reshard_after_backward(False)", "keeps the parameters unsharded after backward"))
+    if pg._is_hsdp and not pg.all_reduce_grads:
+        out.append(("set_requires_all_reduce(False)", "defers HSDP's all-reduce (partial reductions)"))
+    if not pg.unshard_in_backward:
+        out.append(("set_unshard_in_backward(False)", "skips the re-gather in backward"))
+    if pg.reduce_scatter_unused_params:
+        out.append(("set_reduce_scatter_unused_params(True)", "reduce-scatters zeros for unused parameters"))
+    if pg.reduce_scatter_max_input_buffers != 1:
+        out.append((f"set_reduce_scatter_max_input_buffers({pg.reduce_scatter_max_input_buffers})",
+                    "sets FSDP2's own reduce-scatter scheduling (ours: CompileConfig.memory_budget_gb)"))
+    comms = (type(pg._all_gather_comm).__name__, type(pg._reduce_scatter_comm).__name__)
+    if comms != _DEFAULT_COMMS:
+        out.append(("set_custom_all_gather / set_custom_reduce_scatter / set_symm_mem_for_comm / "
+                    "set_allocate_memory_from_process_group_for_comm", f"replaced the collectives ({', '.join(comms)})"))
+    if pg._reduce_scatter_process_group is not pg._all_gather_process_group:
+        out.append(("set_separate_reduce_scatter_group(True)", "runs reduce-scatters on their own process group"))
+    return out
+
+
+def settings_key(groups) -> tuple:
+    """What of FSDP2's runtime settings a compiled step depends on, for ``groups`` = ``[(fqn, state,
+    param_group)]``: cheap to read at every call (attribute reads only)."""
+    return tuple(
+        (fqn, pg.reduce_grads, pg.all_reduce_grads, pg.reshard_after_backward, pg.post_forward_mesh_info is not None,
+         pg._use_post_forward_mesh, pg.gradient_divide_factor, pg.force_sum_reduction_for_comms,
+         pg.reduce_scatter_unused_params, pg.reduce_scatter_max_input_buffers, pg.unshard_in_backward,
+         type(pg._all_gather_comm).__name__, type(pg._reduce_scatter_comm).__name__, pg._all_reduce_hook is not None,
+         pg._reduce_scatter_process_group is pg._all_gather_process_group,
+         tuple(id(s) for s in state._states_to_forward_prefetch), tuple(id(s) for s in state._states_to_backward_prefetch))
+        for fqn, state, pg in groups
+    )
+
+
+def param_groups(model: nn.Module) -> list:
+    """``[(fqn, state, param group)]`` of every FSDP module that manages parameters, in pre-order."""
+    return [(fqn, state, state._fsdp_param_groups[0]) for fqn, _, state in fsdp_states(model) if state._fsdp_param_groups]
+
+
 def check_ranks_agree(plan: ShardingPlan, config_items: list[tuple[str, object]] = ()) -> None:
     """Compare ``plan.fingerprint()`` and the config across the ranks of every process group the plan's
     collectives use, once, before the first trace.
@@ -170,7 +239,7 @@ def check_ranks_agree(plan: ShardingPlan, config_items: list[tuple[str, object]]
 
     items = [(f"FSDP group {entry[0] or '<root>'!r}", entry) for entry in plan.fingerprint()]
     items.insert(0, ("the number of FSDP groups", len(items)))
-    for name in dict.fromkeys(g.group_name for g in plan.groups):
+    for name in plan.process_group_names():
         group = _resolve_process_group(name)
         if group.size() > 1:
             check_same(
@@ -206,12 +275,6 @@ def read_plan(model: nn.Module) -> ShardingPlan:
                 f"FSDP module {fqn!r} has {len(param_groups)} parameter groups (per-parameter meshes from "
                 "shard_placement_fn): not supported under fsdp_compile.compile yet"
             )
-        if len(state._modules) > 1:
-            raise NotImplementedError(
-                f"fully_shard([m1, m2, ...]) on several modules at once ({fqn!r}) is not supported under "
-                "fsdp_compile.compile yet; shard each module separately (tied parameters may live in their "
-                "common parent's group)"
-            )
         if not param_groups:
             continue
         pg = param_groups[0]
@@ -231,10 +294,21 @@ def read_plan(model: nn.Module) -> ShardingPlan:
 
 def _read_group(fqn: str, pg, canonical: dict, lookup_only: dict) -> GroupPlan:
     where = f"FSDP module {fqn or '<root>'!r}"
-    if isinstance(pg.offload_policy, CPUOffloadPolicy):
-        raise NotImplementedError(f"{where}: offload_policy=CPUOffloadPolicy() is not supported under fsdp_compile.compile yet")
-    if pg._is_hsdp:
-        raise NotImplementedError(f"{where}: HSDP (a 2-D replicate x shard mesh) is not supported under fsdp_compile.compile yet")
+    if isinstance(pg.offload_policy, CPUOffloadPolicy) and pg.device.type != "cpu":
+        # On a CPU device the offloaded shards, gradients and optimizer state already live where compute
+        # does (FSDP2's host copies are no-ops), so the compiled step is FSDP2's; on an accelerator the graph
+        # would need the host-device copies around each collective, which is not built yet.
+        raise NotImplementedError(
+            f"{where}: offload_policy=CPUOffloadPolicy() on {pg.device.type} is not supported under "
+            "fsdp_compile.compile yet (it is on CPU devices); train it with eager FSDP2, or drop the offload"
+        )
+    mesh_info = pg.mesh_info
+    if not isinstance(mesh_info, FSDPMeshInfo) or mesh_info.is_spmd_mesh:
+        raise NotImplementedError(
+            f"{where}: fully_shard(..., dp_mesh_dims=...) (parameters on a larger SPMD mesh, or a replicate-only "
+            "mesh) is not supported under fsdp_compile.compile yet; "
+            "pass the data-parallel mesh itself as mesh= (1-D, or 2-D replicate x shard for HSDP)"
+        )
     if pg._use_post_forward_mesh:
         raise NotImplementedError(
             f"{where}: an int reshard_after_forward (resharding to a smaller mesh) is not supported under "
@@ -242,6 +316,11 @@ def _read_group(fqn: str, pg, canonical: dict, lookup_only: dict) -> GroupPlan:
         )
     if pg._all_reduce_hook is not None:
         raise NotImplementedError(f"{where}: set_all_reduce_hook is not supported under fsdp_compile.compile yet")
+    for setter, problem in _unsupported_settings(pg):
+        raise NotImplementedError(
+            f"{where}: {setter} {problem}, which fsdp_compile.compile does not support yet; set it back (or use "
+            "eager FSDP2 for this model)"
+        )
     group = pg._all_gather_process_group
     if group is not pg._reduce_scatter_process_group:
         raise NotImplementedError(f"{where}: a separate reduce-scatter process group is not supported yet")
@@ -250,6 +329,12 @@ def _read_group(fqn: str, pg, canonical: dict, lookup_only: dict) -> GroupPlan:
     for fp in pg.fsdp_params:
         param = fp.sharded_param
         where_p = f"parameter {canonical.get(param, fp._param_fqn)!r}"
+        if getattr(fp, "is_dtensor", False):
+            raise NotImplementedError(
+                f"{where_p} was already a DTensor before fully_shard (tensor or expert parallelism, a 2-D mesh): "
+                "FSDP combined with it is not supported under fsdp_compile.compile yet; train it with eager "
+                "FSDP2 (or torch.compile on its blocks)"
+            )
         if not isinstance(param, DTensor) or fp.fsdp_placement != Shard(0):
             raise NotImplementedError(f"{where_p}: only Shard(0) placements are supported (got {fp.fsdp_placement})")
         if getattr(fp, "_extensions_data", None) is not None and hasattr(fp._sharded_local_tensor, "fsdp_pre_all_gather"):
@@ -268,10 +353,11 @@ def _read_group(fqn: str, pg, canonical: dict, lookup_only: dict) -> GroupPlan:
     grad_dtype = param_dtype or (trainable[0].orig_dtype if trainable else None)
     reduce_dtype = pg._reduce_dtype or grad_dtype
     pre = post = None
-    reduce_op_name = "sum"
+    reduce_op_name, all_reduce_op = "sum", "sum"
+    replicate = pg._all_reduce_process_group if pg._is_hsdp else None  # HSDP: all-reduce after the reduce-scatter
     if reduce_dtype is not None:
-        pre, post, op, _ = _get_gradient_divide_factors(
-            group, None, reduce_dtype, pg.device.type, pg.gradient_divide_factor, pg.force_sum_reduction_for_comms
+        pre, post, op, ar_op = _get_gradient_divide_factors(
+            group, replicate, reduce_dtype, pg.device.type, pg.gradient_divide_factor, pg.force_sum_reduction_for_comms
         )
         if op == dist.ReduceOp.AVG:
             reduce_op_name = "avg"
@@ -279,6 +365,7 @@ def _read_group(fqn: str, pg, canonical: dict, lookup_only: dict) -> GroupPlan:
             reduce_op_name = "sum"
         else:  # PREMUL_SUM(1 / factor): FSDP2's custom gradient_divide_factor
             reduce_op_name, pre = "premul_sum", 1.0 / pg.gradient_divide_factor
+        all_reduce_op = "avg" if ar_op == dist.ReduceOp.AVG else "sum"
     return GroupPlan(
         fqn=fqn,
         params=tuple(params),
@@ -291,4 +378,7 @@ def _read_group(fqn: str, pg, canonical: dict, lookup_only: dict) -> GroupPlan:
         reduce_op=reduce_op_name,
         pre_factor=pre,
         post_factor=post,
+        replicate_group_name=None if replicate is None else replicate.group_name,
+        replicate_size=1 if replicate is None else replicate.size(),
+        all_reduce_op=all_reduce_op,
     )

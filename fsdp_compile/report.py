@@ -101,3 +101,20 @@ def count_collectives(graphs) -> dict[str, int]:
             elif node.target in _ALL_REDUCE:
                 counts["all_reduces"] += 1
     return counts
+
+
+def collective_bytes(graphs) -> dict[str, int]:
+    """Bytes per kind of collective in ``graphs``, each counted as its full buffer: an all-gather's output,
+    a reduce-scatter's input, an all-reduce's tensor (the buffers eager FSDP2 hands to torch.distributed)."""
+    from fsdp_compile.passes.predicates import node_bytes
+
+    out = {"all_gathers": 0, "reduce_scatters": 0, "all_reduces": 0}
+    for gm in graphs:
+        for node in gm.graph.nodes:
+            if node.target in _ALL_GATHER:
+                out["all_gathers"] += node_bytes(node)
+            elif node.target in _REDUCE_SCATTER:
+                out["reduce_scatters"] += node_bytes(node.args[0])
+            elif node.target in _ALL_REDUCE:
+                out["all_reduces"] += node_bytes(node)
+    return out

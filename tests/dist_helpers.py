@@ -43,7 +43,10 @@ def _worker(rank, world_size, store_path, pg_timeout, fn, args, results):
         results.put((rank, "error", traceback.format_exc()))
 
 
-def run_ranks(fn, world_size: int, *args, timeout: float = 300.0, pg_timeout: float = 120.0):
+def run_ranks(fn, world_size: int, *args, timeout: float = 300.0, pg_timeout: float = 120.0, outcomes: bool = False):
+    """``fn`` on ``world_size`` spawned gloo ranks; its return values, one per rank. With ``outcomes``, a
+    failing or dying rank does not stop the run: each rank's ``("ok", value)``, ``("error", traceback)``
+    or ``("died", exitcode)``, once every rank has ended (for tests of faults)."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -67,12 +70,14 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 300.0, pg_timeout: fl
                     rank, status, payload = results.get(timeout=min(remaining, 1.0))
                 except queue.Empty:
                     dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in outs]
-                    if dead:
+                    if dead and not outcomes:
                         raise RankFailure(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}")
+                    for i in dead:
+                        outs[i] = ("died", procs[i].exitcode)
                     continue
-                if status == "error":
+                if status == "error" and not outcomes:
                     raise RankFailure(f"rank {rank} failed:\n{payload}")
-                outs[rank] = payload
+                outs[rank] = (status, payload) if outcomes else payload
         finally:
             for p in procs:
                 p.join(timeout=5)

@@ -25,7 +25,7 @@ MP = {
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-    model: str = "llama"  # llama | llama_tied | llama_ac | odd | frozen
+    model: str = "llama"  # llama | llama_tied | llama_ac | llama_grouped | odd | frozen
     reshard: bool | None = None  # None: fully_shard's default (True, root kept unsharded)
     mp: str | None = None
     backend: str = "aot_eager"
@@ -35,6 +35,9 @@ class Case:
     bucket: object = "fsdp_group"  # CompileConfig.bucket (an explicit plan as a tuple of tuples)
     reorder: bool = False
     regions: bool = True  # CompileConfig.regions
+    offload: bool = False  # CPUOffloadPolicy(pin_memory=False) on every FSDP module
+    replicate: int = 1  # > 1: a (replicate, world/replicate) mesh, HSDP (= world: FSDP1's NO_SHARD)
+    ignored: bool = False  # the root's norm weight in ignored_params: not sharded, its gradient not reduced
 
     @property
     def name(self) -> str:
@@ -46,6 +49,12 @@ class Case:
             parts.append(f"bucket={bucket}" + ("+reorder" if self.reorder else ""))
         if not self.regions:
             parts.append("no-regions")
+        if self.offload:
+            parts.append("offload")
+        if self.replicate > 1:
+            parts.append(f"hsdp{self.replicate}")
+        if self.ignored:
+            parts.append("ignored")
         return "-".join(parts)
 
 
@@ -57,7 +66,9 @@ def build(case: Case):
             from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
             m.layers = torch.nn.ModuleList(checkpoint_wrapper(b) for b in m.layers)
-        blocks = m.layers
+        blocks = list(m.layers)
+        if case.model == "llama_grouped":  # fully_shard([layers.0, layers.1]): one FSDP group of two modules
+            blocks = [blocks[:2], *blocks[2:]]
     elif case.model == "odd":
         m, blocks = OddMLP(), None
         blocks = m.blocks
@@ -67,13 +78,25 @@ def build(case: Case):
     else:
         raise ValueError(case.model)
     kwargs = {}
+    if case.offload:
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
     if case.reshard is not None:
         kwargs["reshard_after_forward"] = case.reshard
+    if case.replicate > 1:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        shape = (case.replicate, dist.get_world_size() // case.replicate)
+        kwargs["mesh"] = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
     root_kwargs = {}
     if MP[case.mp] is not None:
         kwargs["mp_policy"] = MP[case.mp]
         # the root casts its output back to fp32, as a training loop with a bf16 model wants
         root_kwargs["mp_policy"] = dataclasses.replace(MP[case.mp], output_dtype=torch.float32)
+    if case.ignored:
+        root_kwargs["ignored_params"] = {m.norm.weight}
     return shard(m, blocks, root_kwargs, **kwargs)
 
 
@@ -123,7 +146,9 @@ def run_case(case: Case, rank: int, world_size: int) -> dict:
         out["loss_eager"].append(le.item())
         out["loss_compiled"].append(lc.item())
         out["grad_diff"].append(max_diff([p.grad for p in eager.parameters()], [p.grad for p in comp.parameters()]))
-        out["grad_types"] = sorted({type(p.grad).__name__ for p in comp.parameters() if p.requires_grad})
+        out["grad_types"] = sorted(
+            {type(p.grad).__name__ for p in comp.parameters() if p.requires_grad and type(p).__name__ == "DTensor"}
+        )
         opt_e.step()
         opt_c.step()
         opt_e.zero_grad()

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 import torch
 import torch.nn as nn
-from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+from torch.distributed.fsdp import fully_shard
 
 import fsdp_compile as fc
 from dist_helpers import fake_process_group
@@ -174,59 +174,33 @@ def test_error_compiling_twice():
             fc.compile(compiled)
 
 
-@pytest.mark.parametrize(
-    "kwargs, match",
-    [
-        (dict(offload_policy=CPUOffloadPolicy(pin_memory=False)), "offload_policy"),
-        (dict(reshard_after_forward=2), "int reshard_after_forward"),
-    ],
-)
-def test_error_unsupported_fsdp_option(kwargs, match):
-    with fake_process_group(4):
-        torch.manual_seed(0)
-        m = Llama(LlamaArgs(n_layers=1))
-        shard(m, m.layers, **kwargs)
-        with pytest.raises(NotImplementedError, match=match):
-            fc.compile(m)
-
-
-def test_error_hsdp():
+@pytest.mark.parametrize("replicate, shard_size", [(2, 2), (8, 128)])
+def test_hsdp_reduces_then_all_reduces(replicate, shard_size):
+    """HSDP (a 2-D mesh): gather and reduce-scatter over the shard dimension, then one all-reduce per
+    reduce-scatter over the replicate dimension, as eager FSDP2 does."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    with fake_process_group(4):
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    with fake_process_group(replicate * shard_size, rank=1):
+        mesh = init_device_mesh("cpu", (replicate, shard_size), mesh_dim_names=("replicate", "shard"))
         torch.manual_seed(0)
-        m = Llama(LlamaArgs(n_layers=1))
+        m = Llama(LlamaArgs(n_layers=2))
         shard(m, m.layers, mesh=mesh)
-        with pytest.raises(NotImplementedError, match="HSDP"):
-            fc.compile(m)
+        report = fc.explain(m, tokens(), config=EAGER_LIKE)
+    assert (report.graph_breaks, report.all_gathers, report.reduce_scatters) == (0, 5, 3)
+    assert report.all_reduces == report.reduce_scatters
+    assert report.backward["all_reduces"] == 3 and report.forward["all_reduces"] == 0
 
 
-def test_error_multi_module_group():
+def test_multi_module_group():
+    """fully_shard([layers.0, layers.1]): one group, one all-gather (forward and backward), one reduce-scatter."""
     with fake_process_group(2):
         torch.manual_seed(0)
         m = Llama(LlamaArgs(n_layers=2))
         fully_shard([m.layers[0], m.layers[1]])
         fully_shard(m)
-        with pytest.raises(NotImplementedError, match=r"fully_shard\(\[m1, m2"):
-            fc.compile(m)
-
-
-@pytest.mark.parametrize(
-    "kwargs, exc, match",
-    [
-        (dict(backend="eager"), ValueError, "backend must be one of"),
-        (dict(bucket="sometimes"), ValueError, "bucket must be one of"),
-        (dict(bucket=[[]]), ValueError, "non-empty buckets"),
-        (dict(bucket_cap_mb=0), ValueError, "bucket_cap_mb must be > 0"),
-        (dict(memory_budget_gb=-1.0), ValueError, "memory_budget_gb must be > 0"),
-        (dict(kernels="cuda"), ValueError, "kernels must be one of"),
-        (dict(hardware="tpu"), ValueError, "hardware must be one of"),
-    ],
-)
-def test_config_validation(kwargs, exc, match):
-    with pytest.raises(exc, match=match):
-        fc.CompileConfig(**kwargs)
+        report = fc.explain(m, tokens(), config=EAGER_LIKE)
+    assert [b.groups for b in report.buckets] == [[""], ["layers.0"]]
+    assert report.forward["all_gathers"] == 2 and report.backward == {"all_gathers": 1, "reduce_scatters": 2, "all_reduces": 0}
 
 
 def test_config_overrides_and_env(monkeypatch):

@@ -36,8 +36,21 @@ CASES_2 = [
     # every block traced on its own (regions are on in every other case)
     Case(regions=False),
     Case(model="llama_ac", mp="bf16", regions=False),
+    Case(offload=True),  # CPUOffloadPolicy on a CPU device: what eager FSDP2 does there
+    Case(model="llama_grouped", n_layers=3),  # fully_shard([layers.0, layers.1]) and layers.2
+    Case(model="llama_grouped", n_layers=3, bucket="auto", reorder=True, mp="bf16"),
+    Case(ignored=True),  # fully_shard(root, ignored_params={norm.weight}): a plain parameter, local gradient
 ]
-CASES_4 = [Case(n_layers=3), Case(model="odd"), Case(model="llama_tied", mp="bf16")]
+CASES_4 = [
+    Case(n_layers=3),
+    Case(model="odd"),
+    Case(model="llama_tied", mp="bf16"),
+    # HSDP on a 2x2 mesh: reduce-scatter over the shard dimension, all-reduce over the replicas
+    Case(replicate=2),
+    Case(replicate=2, reshard=False),  # FSDP1's _HYBRID_SHARD_ZERO2
+    Case(replicate=2, mp="bf16", bucket="auto", reorder=True),
+    Case(replicate=4),  # a 4x1 mesh: FSDP1's NO_SHARD (all-reduce only, gathers of one rank)
+]
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +99,13 @@ def test_bucketing_counts(results_2):
     assert plan["forward"]["all_gathers"] == 2  # the root, then both blocks in one
 
 
+def test_a_group_of_modules_is_one_collective(results_2):
+    """fully_shard([layers.0, layers.1]): one all-gather before the first runs, one reduce-scatter after the
+    last one's gradients (root, the pair, layers.2)."""
+    r = results_2[0][Case(model="llama_grouped", n_layers=3).name]
+    assert r["forward"]["all_gathers"] == 3 and r["backward"]["reduce_scatters"] == 3, r
+
+
 def test_collectives_like_eager(results_2):
     """One all-gather per FSDP group in forward, one per resharded group in backward, one RS per group."""
     groups = 3  # root + 2 layers
@@ -97,3 +117,8 @@ def test_collectives_like_eager(results_2):
     # blocks.0's only trainable parameter is its bias, whose gradient needs no weights: the compiled
     # backward skips the re-gather that eager FSDP2's pre-backward hook would issue.
     assert r[Case(model="frozen").name]["backward"] == {"all_gathers": 1, "reduce_scatters": 3, "all_reduces": 0}
+
+
+def test_hsdp_all_reduces_each_reduce_scatter(results_4):
+    r = results_4[0][Case(replicate=2).name]
+    assert r["backward"]["reduce_scatters"] == 3 and r["backward"]["all_reduces"] == 3, r

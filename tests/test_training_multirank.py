@@ -75,6 +75,14 @@ def training_worker(rank, world_size, ckpt_dir):
     fresh.load_state_dict(state["model"])
     out["dcp_diff"] = max_diff(list(fresh.parameters()), list(model.parameters()))
     out["state_dict_keys_equal"] = list(compiled.state_dict()) == list(model.state_dict())
+    # FSDP1's FULL_STATE_DICT: full tensors, gathered by torch's state-dict API from the compiled model
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(compiled, options=StateDictOptions(full_state_dict=True))
+    out["full_state_dict"] = all(
+        not hasattr(v, "to_local") and v.shape == p.shape and torch.equal(v, p.full_tensor())
+        for (k, v), p in zip(sorted(full.items()), [dict(model.named_parameters())[k] for k in sorted(full)])
+    ) and len(full) == len(list(model.parameters()))
 
     # explain on real ranks: no training step happens
     before = [p.detach().clone() for p in model.parameters()]
@@ -95,7 +103,7 @@ def test_training_loop_pieces(tmp_path):
         assert r["clip_norm_is_tensor"]
         assert r["clip_norm_diff"] == 0.0 and r["clipped_grad_diff"] == 0.0, r
         assert r["eager_vs_compiled_forward"] == 0.0, r
-        assert r["dcp_diff"] == 0.0 and r["state_dict_keys_equal"], r
+        assert r["dcp_diff"] == 0.0 and r["state_dict_keys_equal"] and r["full_state_dict"], r
         assert r["explain"] == (0, 5, 3), r["explain"]
         assert r["explain_params_unchanged"] and r["explain_grads_kept"], r
 

@@ -70,6 +70,7 @@ class Module:
     reshard_after_forward: bool
     holds_children: bool  # other FSDP modules live inside it: its own compute comes last in forward
     lowp: bool  # computes in bf16/fp16 (the profile's faster matmul rate)
+    replicate_size: int = 1  # HSDP: its reduce-scatter is followed by an all-reduce over this many replicas
     forward_prefetch: tuple[str, ...] = ()  # FSDP2's set_modules_to_forward_prefetch
     backward_prefetch: tuple[str, ...] = ()  # FSDP2's set_modules_to_backward_prefetch
 
@@ -134,6 +135,7 @@ def modules_of(plan) -> list[Module]:
             reduce_bytes=tuple(reduce_bytes), flops_per_token=tuple(flops), process_group=g.group_name,
             world_size=g.world_size, reshard_after_forward=g.reshard_after_forward,
             holds_children=plan.has_fsdp_children(g.fqn), lowp=gather in (torch.bfloat16, torch.float16),
+            replicate_size=g.replicate_size,
             forward_prefetch=g.forward_prefetch, backward_prefetch=g.backward_prefetch,
         ))
     return out
@@ -162,6 +164,8 @@ def _costs(units: Sequence[Unit], modules: dict[str, Module], cm: CostModel, wor
         ws = ms[0].world_size
         ag.append(cm.collective_time("all_gather", u.all_gather_bytes, ws))
         rs.append(cm.collective_time("reduce_scatter", u.reduce_scatter_bytes, ws) if u.reduce_scatter_bytes else 0.0)
+        if u.reduce_scatter_bytes and ms[0].replicate_size > 1:  # HSDP: then the reduced shard across replicas
+            rs[-1] += cm.collective_time("all_reduce", u.reduce_scatter_bytes // ws, ms[0].replicate_size)
         own_f = own_b = 0.0
         for m in ms:
             idx = range(len(m.params)) if u.param is None else [m.params.index(u.param)]
@@ -361,7 +365,7 @@ def _explicit_units(modules: Sequence[Module], buckets: Sequence[Sequence[str]])
 
 _KEY_FIELDS = ("process group", "world size", "reshard_after_forward", "parameter dtype",
                "MixedPrecisionPolicy.param_dtype", "reduce dtype", "reduce op", "gradient pre-divide factor",
-               "gradient post-divide factor")
+               "gradient post-divide factor", "HSDP replicate group", "HSDP all-reduce op")  # GroupPlan.bucket_key
 
 
 def _key_difference(members: Sequence[Module]) -> str:
@@ -380,7 +384,7 @@ def plan_schedule(
     cost_model: CostModel,
     workload: int,
     bucket_cap_bytes: int | None = None,
-    memory_budget_bytes: int | None = None,
+    memory_budget_bytes: float | None = None,
 ) -> Schedule:
     """The schedule for ``modules`` (forward order). Deterministic: equal inputs give equal schedules."""
     t0 = time.perf_counter()
