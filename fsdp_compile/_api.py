@@ -117,12 +117,17 @@ class CompiledFSDPModule(nn.Module):
     def _current_step(self, args, kwargs) -> _Step:
         """The compiled step for FSDP2's current settings and parameters (a change takes effect here)."""
         for fqn, _, pg in self._groups:
-            if not pg.is_sharded or pg._all_gather_result is not None:  # unsharded, or an all-gather in flight
+            if pg._all_gather_result is not None:
                 raise ValueError(
-                    f"FSDP module {fqn or '<root>'!r} holds unsharded parameters (model.unshard(), or an eager "
-                    "forward that did not reshard): call model.reshard() (after waiting on its UnshardHandle) "
-                    "before calling the compiled model, which gathers the parameters itself"
+                    f"FSDP module {fqn or '<root>'!r} has an all-gather in flight (model.unshard(async_op=True)): "
+                    "wait on its UnshardHandle and call model.reshard() before calling the compiled model, which "
+                    "gathers the parameters itself"
                 )
+            if not pg.is_sharded:
+                # left unsharded by an eager forward (the root, reshard_after_forward=False) or by unshard():
+                # the compiled step reads the shards, which those copies came from; FSDP2's reshard() frees
+                # them and puts the sharded parameters back on the modules (local, no collective)
+                pg.reshard()
         key = settings_key(self._groups)
         plan_key = tuple(k[:1] + k[3:] for k in key)  # gradient sync is a mode of a step, not another plan
         step = self._steps.get(plan_key)

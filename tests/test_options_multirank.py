@@ -6,7 +6,8 @@
 * settings changed after compile take effect at the next call (``set_reshard_after_forward``,
   ``set_force_sum_reduction_for_comms``, ``set_gradient_divide_factor``), or are refused there, naming
   the setter;
-* a user's ``unshard()`` before a compiled call is refused with what to do (``reshard()``);
+* a user's ``unshard(async_op=True)`` still in flight at a compiled call is refused with what to do;
+  unsharded parameters (its handle waited, or an eager forward that kept them) are resharded by the call;
 * parameters replaced after compile (``load_state_dict(assign=True)``): the compiled step reads the new ones.
 """
 
@@ -109,15 +110,14 @@ def settings_worker(rank, world_size):
         m.load_state_dict(sd, assign=True)
     step(3)
     out["replaced"] = all(p is q for p, q in zip(compiled.parameters(), model.parameters()))
-    # a user unshard: the compiled step gathers the parameters itself, so it asks for them resharded
+    # a user unshard still in flight at a compiled call: refused (the call would not wait on the handle)
     handle = model.unshard(async_op=True)
     try:
         _micro(case, compiled, 4, rank)
         out["unsharded"] = None
     except ValueError as e:
         out["unsharded"] = str(e)
-    handle.wait()
-    model.reshard()
+    handle.wait()  # unsharded now: the compiled call reshards (FSDP2's reshard(), local) and reads the shards
     step(5)
     model.set_reshard_after_backward(False)
     try:
@@ -134,6 +134,6 @@ def test_settings_after_compile():
         assert max(r["grad_diff"]) == 0.0, (rank, r["grad_diff"])
         before, after = r["backward_all_gathers"]
         assert before > 0 and after == 0, r  # the blocks stop re-gathering in backward
-        assert r["unsharded"] and "call model.reshard()" in r["unsharded"], r["unsharded"]
+        assert r["unsharded"] and "all-gather in flight" in r["unsharded"], r["unsharded"]
         assert len(r["losses"]) == 5  # trained on after the reshard
         assert r["refused"] and "set_reshard_after_backward(False)" in r["refused"], r["refused"]
