@@ -268,6 +268,19 @@ def _(grads, local_rows, fsdp_groups, unit, group_name, world_size, rank, kernel
     return [g.new_empty((rows, *g.shape[1:]), dtype=orig_dtype) for g, rows in zip(grads, local_rows)]
 
 
+@torch.library.custom_op("fsdp_compile::post_forward_shard", mutates_args=())
+def post_forward_shard(gathered: Tensor, size: int, index: int) -> Tensor:
+    """An int ``reshard_after_forward``'s post-forward shard (``passes/recompute.py``): chunk ``index`` of
+    ``size`` of a gathered buffer, in memory of its own. An op, not ``clone`` of a view: Inductor removes
+    such a clone as a no-op, and the saved view would keep the whole buffer alive."""
+    return gathered.view(size, -1)[index].clone()
+
+
+@post_forward_shard.register_fake
+def _(gathered, size, index):
+    return gathered.new_empty(gathered.numel() // size)
+
+
 def _unshard_setup_context(ctx, inputs, output) -> None:
     shards, sinks, accumulated, *schema = inputs
     ctx.args = UnshardArgs.from_schema(*schema)

@@ -52,6 +52,11 @@ class GroupPlan:
     replicate_group_name: str | None = None  # HSDP: the replicate dimension's process group (all-reduce after RS)
     replicate_size: int = 1
     all_reduce_op: str = "avg"  # HSDP: "avg" | "sum"
+    # an int reshard_after_forward=N: after forward this rank keeps 1/N of the gathered buffer and re-gathers
+    # it in backward over the post-forward group (N ranks of its shard group) instead of the whole group
+    post_forward_group_name: str | None = None
+    post_forward_size: int = 0
+    post_forward_rank: int = 0  # this rank's index in its post-forward group
     forward_prefetch: tuple[str, ...] = ()  # FSDP2's set_modules_to_forward_prefetch: FQNs gathered at our pre-forward
     backward_prefetch: tuple[str, ...] = ()  # ... set_modules_to_backward_prefetch
 
@@ -78,7 +83,7 @@ class GroupPlan:
         orig_dtype = self.params[0].orig_dtype  # FSDP2 requires one original dtype per group
         return (self.group_name, self.world_size, self.reshard_after_forward, orig_dtype, self.param_dtype,
                 self.reduce_dtype, self.reduce_op, self.pre_factor, self.post_factor, self.replicate_group_name,
-                self.all_reduce_op)
+                self.all_reduce_op, self.post_forward_group_name)
 
 
 def _padded_numel(shape: tuple[int, ...], world_size: int) -> int:
@@ -96,7 +101,7 @@ class ShardingPlan:
         # process groups by size, not name: HSDP's shard groups differ between replicas by name only
         return [
             (g.fqn, g.world_size, g.reshard_after_forward, str(g.param_dtype), str(g.reduce_dtype),
-             g.reduce_op, g.pre_factor, g.post_factor, g.replicate_size, g.all_reduce_op,
+             g.reduce_op, g.pre_factor, g.post_factor, g.replicate_size, g.all_reduce_op, g.post_forward_size,
              g.forward_prefetch, g.backward_prefetch,
              tuple((p.fqn, p.full_shape, str(p.orig_dtype), p.requires_grad, p.matmul) for p in g.params))
             for g in self.groups
@@ -104,7 +109,8 @@ class ShardingPlan:
 
     def process_group_names(self) -> list[str]:
         """Every process group the plan's collectives run on (shard groups; HSDP's replicate groups too)."""
-        names = [g.group_name for g in self.groups] + [g.replicate_group_name for g in self.groups if g.replicate_group_name]
+        names = [g.group_name for g in self.groups]
+        names += [n for g in self.groups for n in (g.replicate_group_name, g.post_forward_group_name) if n]
         return list(dict.fromkeys(names))
 
     def has_fsdp_children(self, fqn: str) -> bool:
@@ -309,11 +315,17 @@ def _read_group(fqn: str, pg, canonical: dict, lookup_only: dict) -> GroupPlan:
             "mesh) is not supported under fsdp_compile.compile yet; "
             "pass the data-parallel mesh itself as mesh= (1-D, or 2-D replicate x shard for HSDP)"
         )
-    if pg._use_post_forward_mesh:
-        raise NotImplementedError(
-            f"{where}: an int reshard_after_forward (resharding to a smaller mesh) is not supported under "
-            "fsdp_compile.compile yet; use True or False"
-        )
+    post_forward = {}
+    if pg._use_post_forward_mesh:  # int reshard_after_forward: the post-forward group is N ranks of the shard group
+        pf = pg.post_forward_mesh_info
+        n = pf.shard_mesh_size
+        if pf.shard_mesh_rank != mesh_info.shard_mesh_rank % n:  # FSDP2's layout: mesh.view(-1, N)
+            raise NotImplementedError(
+                f"{where}: reshard_after_forward={n} with a post-forward group that is not N consecutive ranks of "
+                "the shard group is not supported under fsdp_compile.compile; use True or False"
+            )
+        post_forward = dict(post_forward_group_name=pf.shard_process_group.group_name, post_forward_size=n,
+                            post_forward_rank=pf.shard_mesh_rank)
     if pg._all_reduce_hook is not None:
         raise NotImplementedError(f"{where}: set_all_reduce_hook is not supported under fsdp_compile.compile yet")
     for setter, problem in _unsupported_settings(pg):
@@ -381,4 +393,5 @@ def _read_group(fqn: str, pg, canonical: dict, lookup_only: dict) -> GroupPlan:
         replicate_group_name=None if replicate is None else replicate.group_name,
         replicate_size=1 if replicate is None else replicate.size(),
         all_reduce_op=all_reduce_op,
+        **post_forward,
     )

@@ -26,7 +26,7 @@ MP = {
 @dataclasses.dataclass(frozen=True)
 class Case:
     model: str = "llama"  # llama | llama_tied | llama_ac | llama_grouped | odd | frozen
-    reshard: bool | None = None  # None: fully_shard's default (True, root kept unsharded)
+    reshard: bool | int | None = None  # None: fully_shard's default (True, root kept unsharded); int: post-forward mesh
     mp: str | None = None
     backend: str = "aot_eager"
     steps: int = 3
@@ -159,6 +159,13 @@ def run_case(case: Case, rank: int, world_size: int) -> dict:
 
     out["forward"] = count_collectives(compiled.captured.forward[:1])
     out["backward"] = count_collectives(compiled.captured.backward[:1])
+    from fsdp_compile.passes.predicates import world_size as group_size
+
+    out["all_gather_sizes"] = {  # the process group size of every all-gather, in graph order
+        kind: [group_size(n) for n in getattr(compiled.captured, kind)[0].graph.nodes
+               if n.target is torch.ops._c10d_functional.all_gather_into_tensor.default]
+        for kind in ("forward", "backward")
+    }
     import hashlib
 
     out["graph_hash"] = hashlib.sha256(

@@ -147,7 +147,6 @@ ROWS = [
     ("meta parameters", compile_(meta_llama), ValueError, r"still on the meta device .*materialize them before training"),
     ("some parameters on meta", compile_(partly_meta_llama), ValueError, r"parameters are still on the meta device \(e.g. 'layers.1\."),
     ("tensor parallel", compile_(tensor_parallel_block), NotImplementedError, r"already a DTensor before fully_shard .*not supported"),
-    ("int reshard_after_forward", compile_(lambda: llama(reshard_after_forward=2)), NotImplementedError, r"int reshard_after_forward"),
     ("dp_mesh_dims", compile_(spmd_mesh_llama), NotImplementedError, r"dp_mesh_dims=\.\.\.\) .*pass the data-parallel mesh"),
     ("Shard(1) placements", compile_(shard_dim_1), NotImplementedError, r"only Shard\(0\) placements"),
     # FSDP2 setters we cannot compile: refused naming the setter (set after compile: at the next call)

@@ -28,7 +28,6 @@ CASES_2 = [
     Case(accum=2),
     # the passes only merge and move collectives and copies: numerics stay bitwise
     Case(bucket="none"),
-    Case(bucket="auto"),
     Case(bucket="auto", reorder=True, n_layers=3),
     Case(bucket=(("layers.0", "layers.1"),), reorder=True),
     Case(model="odd", bucket="auto", reorder=True),
@@ -47,9 +46,11 @@ CASES_4 = [
     Case(model="llama_tied", mp="bf16"),
     # HSDP on a 2x2 mesh: reduce-scatter over the shard dimension, all-reduce over the replicas
     Case(replicate=2),
-    Case(replicate=2, reshard=False),  # FSDP1's _HYBRID_SHARD_ZERO2
     Case(replicate=2, mp="bf16", bucket="auto", reorder=True),
     Case(replicate=4),  # a 4x1 mesh: FSDP1's NO_SHARD (all-reduce only, gathers of one rank)
+    # int reshard_after_forward: kept sharded over 2 ranks after forward, re-gathered from them in backward
+    Case(reshard=2),
+    Case(model="llama_ac", reshard=2, mp="bf16", bucket="auto", reorder=True),  # with checkpointed blocks
 ]
 
 
@@ -117,6 +118,16 @@ def test_collectives_like_eager(results_2):
     # blocks.0's only trainable parameter is its bias, whose gradient needs no weights: the compiled
     # backward skips the re-gather that eager FSDP2's pre-backward hook would issue.
     assert r[Case(model="frozen").name]["backward"] == {"all_gathers": 1, "reduce_scatters": 3, "all_reduces": 0}
+
+
+def test_int_reshard_regathers_over_the_post_forward_group(results_4):
+    """reshard_after_forward=2 on 4 ranks: forward all-gathers over 4 ranks, the backward re-gathers over
+    the 2-rank post-forward groups (root, layers.0, layers.1), as FSDP2 does."""
+    sizes = results_4[0][Case(reshard=2).name]["all_gather_sizes"]
+    assert sizes == {"forward": [4, 4, 4], "backward": [2, 2, 2]}, sizes
+    case = Case(model="llama_ac", reshard=2, mp="bf16", bucket="auto", reorder=True)
+    sizes = results_4[0][case.name]["all_gather_sizes"]
+    assert set(sizes["forward"]) == {4} and set(sizes["backward"]) == {2}, sizes
 
 
 def test_hsdp_all_reduces_each_reduce_scatter(results_4):

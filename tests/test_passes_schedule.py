@@ -26,7 +26,7 @@ from passes_helpers import PROFILE
 
 MB = 1_000_000
 MS = 1e-3
-KEY = ("pg", 2, True, torch.float32, None, torch.float32, "avg", None, None, None, "avg")
+KEY = ("pg", 2, True, torch.float32, None, torch.float32, "avg", None, None, None, "avg", None)
 
 
 def module(fqn: str, **kw) -> Module:

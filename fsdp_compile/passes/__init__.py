@@ -2,7 +2,7 @@
 
 On the joint graph (AOTAutograd's partition function, or Inductor's ``joint_custom_pre_pass``):
 
-* ``recompute.tag_unshard_recompute(graph, reshard)``: ``reshard_after_forward=True`` groups re-gather in backward.
+* ``recompute.tag_unshard_recompute(graph, reshard)``: ``reshard_after_forward=True`` groups re-gather in backward (an int: over the post-forward group).
 
 Once per compiled model, before the first trace (``schedule.py``)::
 

@@ -5,6 +5,14 @@ Every node of such a group's unshard chain (copy-in, all-gather, wait, copy-out)
 FSDP2's pre-backward unshard does. Groups with ``reshard_after_forward=False`` keep the partitioner's
 default for collectives (``force_save_collectives``: the gathered buffer is saved for backward).
 
+An int ``reshard_after_forward=N`` (``_regather_from_post_forward``): after the forward all-gather this
+rank keeps chunk ``i`` of ``N`` of the gathered buffer (``i``: its index in its post-forward group, N
+consecutive ranks of the shard group, FSDP2's ``mesh.view(-1, N)``), saved for backward; the backward's
+uses of the group's parameters read a re-gather of those chunks over the post-forward group: an all-gather
+of N ranks instead of the whole group, the same buffer bit for bit, then the same copy-out. The chunk is a
+slice of the packed buffer, not FSDP2's per-parameter re-padding over N ranks: the same bytes held and
+moved, one copy fewer.
+
 Regions (``capture``'s repeated blocks, ``invoke_subgraph``) need one more step first. AOTAutograd
 partitions a region on its own, and its forward part hands its inputs (the gathered parameters) and views
 of them to its backward part as saved values; at top level those are outputs of the forward region call,
@@ -22,7 +30,7 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from fsdp_compile._annotations import chains, fsdp_group
+from fsdp_compile._annotations import chains, fsdp_group, gradient_dependent
 
 _invoke_subgraph = torch.ops.higher_order.invoke_subgraph
 _aten = torch.ops.aten
@@ -33,16 +41,97 @@ _VIEWS = {
 }
 
 
-def tag_unshard_recompute(graph: fx.Graph, reshard: Mapping[str, bool]) -> int:
-    """Tag, in place, the unshard chains of the FSDP groups ``reshard`` maps to True; returns the count."""
+def tag_unshard_recompute(graph: fx.Graph, reshard: Mapping[str, bool | tuple[str, int, int]]) -> int:
+    """Tag, in place, the unshard chains of the FSDP groups ``reshard`` maps to True, and re-gather those it
+    maps to a post-forward group ``(process group name, size, this rank's index)`` from it; returns how many
+    chain nodes were tagged."""
     if graph.owning_module is not None:
         _rewire_region_inputs(graph.owning_module)
+    post = {g: v for g, v in reshard.items() if isinstance(v, tuple)}
+    if post:
+        _regather_from_post_forward(graph, post)
     tagged = 0
     for node in chains(graph)[0]:
-        if reshard.get(fsdp_group(node), False):
+        if reshard.get(fsdp_group(node), False) is not False and "recompute" not in node.meta:
+            # an int's own chain too: forward nodes that activation checkpointing replays in backward re-gather
+            # over the whole group rather than keep the full parameters
             node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
             tagged += 1
     return tagged
+
+
+_c10d = torch.ops._c10d_functional
+
+
+def _fake_call(graph: fx.Graph, target, args: tuple, like: fx.Node, policy) -> fx.Node:
+    """A new node ``target(*args)`` with its fake value, ``like``'s annotation and the recompute ``policy``."""
+    def val(a):
+        return a.meta["val"] if isinstance(a, fx.Node) else a
+
+    node = graph.call_function(target, args)
+    with like.meta["val"].fake_mode:
+        node.meta["val"] = target(*[val(a) for a in args])
+    if "custom" in like.meta:
+        node.meta["custom"] = like.meta["custom"]
+    if policy is not None:
+        node.meta["recompute"] = policy
+    return node
+
+
+def _param_only(node: fx.Node, derived: set[fx.Node]) -> bool:
+    """A deterministic aten or prims op (or getitem) computed from gathered parameters alone: safe to replay."""
+    if node.op != "call_function" or not node.all_input_nodes or any(a not in derived for a in node.all_input_nodes):
+        return False
+    if node.target is operator.getitem:
+        return True
+    return (isinstance(node.target, torch._ops.OpOverload) and node.target.namespace in ("aten", "prims")
+            and torch.Tag.nondeterministic_seeded not in node.target.tags)
+
+
+def _regather_from_post_forward(graph: fx.Graph, post: Mapping[str, tuple[str, int, int]]) -> int:
+    """See the module docstring; returns how many units re-gather from their post-forward group."""
+    unshard, grad = chains(graph)[0], gradient_dependent(graph)
+    waits = {}  # the gathered buffer of each unit with a post-forward group
+    for node in graph.nodes:
+        if (node in unshard and node.target is _c10d.wait_tensor.default and fsdp_group(node) in post
+                and node.args[0].target is _c10d.all_gather_into_tensor.default):
+            waits[node] = post[fsdp_group(node)]
+    derived = set(waits)  # the buffers and what is computed from them (and other such nodes) alone
+    for node in graph.nodes:
+        if node not in grad and node not in derived and _param_only(node, derived):
+            derived.add(node)
+    mirror: dict[fx.Node, fx.Node] = {}
+
+    def mirrored(node: fx.Node, before: fx.Node) -> fx.Node:
+        if node in mirror:
+            return mirror[node]
+        if node in waits:  # the chunk kept after forward, re-gathered before its first backward use
+            name, n, index = waits[node]
+            buf = node.meta["val"]
+            with graph.inserting_after(node):  # fsdp_compile::post_forward_shard, an op of ours (see ops.py)
+                kept = _fake_call(graph, torch.ops.fsdp_compile.post_forward_shard.default, (node, n, index), node,
+                                  CheckpointPolicy.MUST_SAVE)
+            with graph.inserting_before(before):
+                ag = node.args[0]
+                out = _fake_call(graph, _c10d.all_gather_into_tensor.default, (kept, n, name), ag,
+                                 CheckpointPolicy.MUST_RECOMPUTE)
+                out = _fake_call(graph, _c10d.wait_tensor.default, (out,), node, CheckpointPolicy.MUST_RECOMPUTE)
+                out = _fake_call(graph, _aten.view.default, (out, list(buf.shape)), node,
+                                 CheckpointPolicy.MUST_RECOMPUTE)
+        else:
+            inputs = {a: mirrored(a, before) for a in node.all_input_nodes}
+            with graph.inserting_before(before):
+                out = graph.node_copy(node, lambda a: inputs[a])
+            out.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+        mirror[node] = out
+        return out
+
+    for node in list(graph.nodes):
+        if node in grad and node.op == "call_function" and any(a in derived for a in node.all_input_nodes):
+            for a in [a for a in node.all_input_nodes if a in derived]:
+                node.replace_input_with(a, mirrored(a, node))
+    graph.lint()
+    return len({w for w in waits if w in mirror})
 
 
 def _as_input(out: fx.Node) -> tuple[int, list[fx.Node]] | None:

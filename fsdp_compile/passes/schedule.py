@@ -365,7 +365,8 @@ def _explicit_units(modules: Sequence[Module], buckets: Sequence[Sequence[str]])
 
 _KEY_FIELDS = ("process group", "world size", "reshard_after_forward", "parameter dtype",
                "MixedPrecisionPolicy.param_dtype", "reduce dtype", "reduce op", "gradient pre-divide factor",
-               "gradient post-divide factor", "HSDP replicate group", "HSDP all-reduce op")  # GroupPlan.bucket_key
+               "gradient post-divide factor", "HSDP replicate group", "HSDP all-reduce op",
+               "reshard_after_forward's post-forward group")  # GroupPlan.bucket_key
 
 
 def _key_difference(members: Sequence[Module]) -> str:
