@@ -79,13 +79,17 @@ def _fake_call(graph: fx.Graph, target, args: tuple, like: fx.Node, policy) -> f
 
 
 def _param_only(node: fx.Node, derived: set[fx.Node]) -> bool:
-    """A deterministic aten or prims op (or getitem) computed from gathered parameters alone: safe to replay."""
+    """A deterministic aten or prims op, our copy-out or a getitem, computed from gathered parameters alone:
+    safe to replay."""
     if node.op != "call_function" or not node.all_input_nodes or any(a not in derived for a in node.all_input_nodes):
         return False
     if node.target is operator.getitem:
         return True
-    return (isinstance(node.target, torch._ops.OpOverload) and node.target.namespace in ("aten", "prims")
-            and torch.Tag.nondeterministic_seeded not in node.target.tags)
+    if not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    if node.target.name() == "fsdp_compile::all_gather_copy_out":  # the Triton copy-out (kernels/)
+        return True
+    return node.target.namespace in ("aten", "prims") and torch.Tag.nondeterministic_seeded not in node.target.tags
 
 
 def _regather_from_post_forward(graph: fx.Graph, post: Mapping[str, tuple[str, int, int]]) -> int:
