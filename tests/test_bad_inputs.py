@@ -86,6 +86,19 @@ def shard_dim_1():
     return llama(shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 else None)
 
 
+def offloaded_on_accelerator():
+    """CPUOffloadPolicy on a model whose FSDP2 device is an accelerator. No accelerator here: the CPU model's
+    param groups are told theirs is ``cuda``, which is all the refusal reads."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    m = llama(offload_policy=CPUOffloadPolicy(pin_memory=False))
+    for module in m.modules():
+        if hasattr(module, "_get_fsdp_state"):
+            for pg in module._get_fsdp_state()._fsdp_param_groups:
+                pg.device = torch.device("cuda")
+    return m
+
+
 def with_setter(setter: str, *args, hsdp: bool = False):
     """A model whose root had FSDP2's ``setter(*args)`` called before ``compile``."""
 
@@ -149,6 +162,8 @@ ROWS = [
     ("tensor parallel", compile_(tensor_parallel_block), NotImplementedError, r"already a DTensor before fully_shard .*not supported"),
     ("dp_mesh_dims", compile_(spmd_mesh_llama), NotImplementedError, r"dp_mesh_dims=\.\.\.\) .*pass the data-parallel mesh"),
     ("Shard(1) placements", compile_(shard_dim_1), NotImplementedError, r"only Shard\(0\) placements"),
+    ("offload on an accelerator", compile_(offloaded_on_accelerator), NotImplementedError,
+     r"offload_policy=CPUOffloadPolicy\(\) on cuda is not supported .*train it with eager FSDP2, or drop the offload"),
     # FSDP2 setters we cannot compile: refused naming the setter (set after compile: at the next call)
     ("set_reshard_after_backward", compile_(with_setter("set_reshard_after_backward", False)), NotImplementedError,
      r"set_reshard_after_backward\(False\) keeps the parameters unsharded"),
