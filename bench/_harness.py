@@ -115,6 +115,24 @@ class Progress:
             sys.stderr.write("\n")
 
 
+def init_ranks(timeout_s: float = 900.0):
+    """The process group of a torchrun launch: NCCL with one GPU per rank when CUDA is present, else gloo
+    with one thread per rank. Returns ``(device, rank, world size, say)``, ``say`` printing on rank 0 only."""
+    import datetime
+
+    import torch.distributed as dist
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    else:
+        torch.set_num_threads(1)
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    rank = dist.get_rank()
+    return device, rank, dist.get_world_size(), (print if rank == 0 else (lambda *a, **k: None))
+
+
 def machine() -> dict:
     return {
         "date": time.strftime("%Y-%m-%d"),

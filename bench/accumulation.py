@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import os
 import sys
 import tempfile
@@ -139,18 +138,10 @@ def main():
     args = ap.parse_args()
     if "RANK" not in os.environ:
         ap.error("launch with torchrun, e.g.: torchrun --nproc-per-node 2 bench/accumulation.py")
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    else:
-        torch.set_num_threads(1)
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=900))
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    say = print if rank == 0 else (lambda *a, **k: None)
+    device, rank, world, say = H.init_ranks(timeout_s=900)
     vocab = SIZES[args.model].vocab
     variants = [Variant(name, args, device) for name in ("eager:sync", "eager:no_sync", "fc:sync", "fc:no_sync")]
-    say(f"accumulation: '{args.model}', {world} ranks ({'nccl' if cuda else 'gloo'}), backend={args.backend}, "
+    say(f"accumulation: '{args.model}', {world} ranks ({dist.get_backend()}), backend={args.backend}, "
         f"{args.micro} micro-batches of {args.batch} x {args.seq} per optimizer step")
 
     def batches(step: int):

@@ -24,7 +24,6 @@ Writes bench/results/compiled_vs_eager_<model>.json and .png. Gloo on CPU; NCCL 
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import sys
 import tempfile
@@ -146,15 +145,7 @@ def main():
         args.model, args.steps, args.window = "tiny", 10, 5
     if args.seq is None:
         args.seq = 128 if args.model == "hf-llama" else 64
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    else:
-        torch.set_num_threads(1)
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=900))
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    say = print if rank == 0 else (lambda *a, **k: None)
+    device, rank, world, say = H.init_ranks(timeout_s=900)
     vocab = HF_VOCAB if args.model == "hf-llama" else SIZES[args.model].vocab
 
     makers = {
@@ -172,7 +163,7 @@ def main():
             continue
         makers[name] = lambda m, o=overrides: fc.compile(m, backend=args.backend, **o)
     variants = [Variant(name, args.model, device, make, sharded=name != "compute-only") for name, make in makers.items()]
-    say(f"compiled_vs_eager: '{args.model}', {world} ranks ({'nccl' if cuda else 'gloo'}), backend={args.backend}, "
+    say(f"compiled_vs_eager: '{args.model}', {world} ranks ({dist.get_backend()}), backend={args.backend}, "
         f"batch {args.batch} x {args.seq}")
     for name, why in skipped.items():
         say(f"  skipped {name}: {why}")
@@ -253,7 +244,7 @@ def main():
             "config": vars(args) | {"world_size": world, "device": str(device)},
             "machine": H.machine(),
             "peak_memory_measures": "peak tensor bytes allocated during one step above those live before it "
-            + ("(torch.cuda.max_memory_allocated)" if cuda else "(CPU profiler allocation events)"),
+            + ("(torch.cuda.max_memory_allocated)" if device.type == "cuda" else "(CPU profiler allocation events)"),
             "skipped": skipped,
             "variants": results,
         }
