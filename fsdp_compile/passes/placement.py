@@ -45,8 +45,10 @@ def place_collectives(graph: fx.Graph) -> int:
     saved = [n for n in graph.nodes if n in unshard and n.users and all(u.op == "output" for u in n.users)]
     moved = 0
     for node in reversed(list(graph.nodes)):
+        if node not in unshard or node in saved:
+            continue
         users = [u for u in node.users if u not in saved]
-        if node in unshard and users and node not in saved:
+        if users:
             first = min(users, key=_position(graph))
             if first.prev is not node:
                 first.prepend(node)
