@@ -25,9 +25,9 @@ from passes_helpers import EmulatedRanks, captured, copy_gm, random_inputs, same
 AS_PLACED = fc.CompileConfig(backend="aot_eager", bucket="fsdp_group", reorder=False)
 
 
-def _sequence(gm) -> list[tuple[str, int]]:
-    """What a process group sees: every FSDP collective (kind, unit), in issue order."""
-    return [(P.collective_kind(n), P.fsdp_unit(n)) for n in P.collectives(gm.graph)]
+def _sequence(gm) -> list[tuple[str, int, int, int]]:
+    """What the process groups see: every FSDP collective (kind, unit, group size, bytes), in issue order."""
+    return [(P.collective_kind(n), P.fsdp_unit(n), P.world_size(n), P.collective_bytes(n)) for n in P.collectives(gm.graph)]
 
 
 def _planned(plan, hardware="h100-nvlink", workload=64):
@@ -74,6 +74,11 @@ def _llama():
     return shard(m, m.layers)
 
 
+def _llama_post_forward_2():
+    m = Llama(LlamaArgs(n_layers=3))
+    return shard(m, m.layers, reshard_after_forward=2)
+
+
 def _odd():
     m = OddMLP()
     return shard(m, m.blocks)
@@ -86,8 +91,10 @@ def _odd():
         (8, _llama, [((0, torch.randint(0, 256, (1, 1)))), (5, torch.randint(0, 256, (4, 32)))]),
         # uneven shards: rank 0 holds rows that rank 3 does not (its shards are empty), other batch sizes too
         (4, _odd, [(0, torch.randn(2, 6)), (3, torch.randn(7, 6))]),
+        # int reshard_after_forward: ranks 0 and 3 keep different chunks, re-gathered over different groups
+        (4, _llama_post_forward_2, [(0, torch.randint(0, 256, (1, 1))), (3, torch.randint(0, 256, (4, 32)))]),
     ],
-    ids=["batch_shapes", "uneven_shards"],
+    ids=["batch_shapes", "uneven_shards", "post_forward_2"],
 )
 def test_every_rank_issues_the_same_sequence(world_size, model_fn, batches):
     """The graphs differ (activation shapes, pad nodes on short ranks); the collectives they issue, in order,
