@@ -22,7 +22,7 @@ from fsdp_compile.config import CompileConfig
 from fsdp_compile.passes.cost_model import CostModel, resolve_hardware
 from fsdp_compile.passes.schedule import Schedule, modules_of, plan_schedule
 from fsdp_compile.plan import ShardingPlan, check_ranks_agree, param_groups, read_plan, settings_key
-from fsdp_compile.report import Bucket, Report, count_collectives
+from fsdp_compile.report import Bucket, Report, count_collectives, region_summary
 
 __all__ = ["fully_shard", "compile", "explain", "CompiledFSDPModule"]
 
@@ -129,12 +129,23 @@ class CompiledFSDPModule(nn.Module):
                 # them and puts the sharded parameters back on the modules (local, no collective)
                 pg.reshard()
         key = settings_key(self._groups)
-        plan_key = tuple(k[:1] + k[3:] for k in key)  # gradient sync is a mode of a step, not another plan
+        # gradient sync is a mode of a step, not another plan, while it is alike for every module: with
+        # bucket="auto", modules with and without sync must not share a unit (one reduce-scatter), so a mix
+        # is planned anew, with buckets that split along it (an explicit plan is the user's: _gradient_sync).
+        # Modules that still hold gradients accumulated without sync count as without: the step that syncs
+        # them keeps the split, so each unit's accumulated gradients are all there or all absent.
+        without_sync = frozenset(
+            fqn for fqn, _, pg in self._groups
+            if not pg.reduce_grads or any(self._sinks[p.fqn].grad is not None
+                                          for p in self.plan.group(fqn).params if p.fqn in self._sinks)
+        )
+        mixed = self.config.bucket == "auto" and 0 < len(without_sync) < len(self._groups)
+        plan_key = (tuple(k[:1] + k[3:] for k in key), without_sync if mixed else None)
         step = self._steps.get(plan_key)
         if step is None:
             if self._steps:  # a setting changed since the last plan: read it again (refuses what we cannot do)
                 self.plan = read_plan(self._orig_mod)
-            step = self._steps[plan_key] = self._plan_and_compile(args, kwargs)
+            step = self._steps[plan_key] = self._plan_and_compile(args, kwargs, without_sync if mixed else frozenset())
         elif not step.current():
             # parameters replaced (load_state_dict(assign=True), to_empty, ...): FSDP2's own references too
             for _, _, pg in self._groups:
@@ -158,11 +169,11 @@ class CompiledFSDPModule(nn.Module):
         sinks, accumulated = [], []
         for unit, params, plans in zip(step.schedule.units, step.params, step.param_plans):
             flags = {reduce_grads[f] for f in unit.members}
-            if len(flags) > 1:
+            if len(flags) > 1:  # only an explicit bucket plan gets here: "auto" re-plans (_current_step)
                 raise ValueError(
-                    f"set_requires_gradient_sync differs between FSDP modules {list(unit.members)}, which share one "
-                    "all-gather and reduce-scatter (a bucket): set it alike for them, or compile with "
-                    "bucket='fsdp_group'"
+                    f"set_requires_gradient_sync differs between FSDP modules {list(unit.members)}, which your "
+                    "bucket plan (CompileConfig.bucket) puts in one all-gather and reduce-scatter: set it alike "
+                    "for them, or put them in separate buckets (bucket='auto' splits buckets along it by itself)"
                 )
             if flags.pop():
                 acc = []
@@ -188,15 +199,18 @@ class CompiledFSDPModule(nn.Module):
             self._sinks[pp.fqn] = sink.requires_grad_()
         return sink
 
-    def _plan_and_compile(self, args, kwargs) -> _Step:
+    def _plan_and_compile(self, args, kwargs, without_sync: frozenset = frozenset()) -> _Step:
         """On every rank together (the first call, or the first after FSDP2's settings changed): agree on
         the workload, plan the communication schedule (the same on every rank: ``passes/schedule.py``),
         then build the compiled step. Later calls, and every recompile (new shapes, eval mode), reuse
         both: no rank ever plans, or talks to the others, on its own."""
         workload = agreed_workload(self.plan, args, kwargs)
         cfg = self.config
+        modules = modules_of(self.plan)
+        if without_sync:  # modules with equal keys may share a unit: with and without sync may not
+            modules = [dataclasses.replace(m, key=(*m.key, m.fqn in without_sync)) for m in modules]
         schedule = plan_schedule(
-            modules_of(self.plan), policy=cfg.bucket if isinstance(cfg.bucket, str) else [list(b) for b in cfg.bucket],
+            modules, policy=cfg.bucket if isinstance(cfg.bucket, str) else [list(b) for b in cfg.bucket],
             reorder=cfg.reorder, cost_model=self.cost_model, workload=workload,
             bucket_cap_bytes=None if cfg.bucket_cap_mb is None else int(cfg.bucket_cap_mb * 2**20),
             memory_budget_bytes=None if cfg.memory_budget_gb is None else cfg.memory_budget_gb * 2**30,
@@ -207,6 +221,11 @@ class CompiledFSDPModule(nn.Module):
         fn = capture._unique_code(fn, f"fsdp_compile_step_{next(_instances)}")
         backend = make_backend(cfg, self.plan, schedule, self.cost_model, self.captured, codegen=self._codegen)
         return _Step(self._orig_mod, self.plan, schedule, torch.compile(fn, backend=backend, fullgraph=True))
+
+    def regions(self) -> list[dict]:
+        """Per kind of repeated block: compiled once as a region, or inline and why (``Report.regions``)."""
+        repeated = capture.find_repeated_blocks(self._orig_mod, self.plan)
+        return region_summary(repeated, self.captured.regions, self.config.regions)
 
     # The original model's state, unprefixed.
     def named_parameters(self, *args, **kwargs):
@@ -380,6 +399,7 @@ def explain_with_graphs(model: nn.Module, example_args, example_kwargs, config: 
         graphs=[{k: v for k, v in dataclasses.asdict(r).items() if k != "stages"} for r in records],
         schedule=schedule.to_dict(),
         planning_ms=schedule.planning_s * 1e3,
+        regions=compiled.regions(),
     ), compiled.captured
 
 

@@ -11,9 +11,11 @@ schedule starts warm:
 * ``post_grad_custom_post_pass``: order pinning, after the caches' checks (``control_deps`` cannot be
   cached as an input graph, but as part of the generated code it can).
 
-A cache hit skips our passes, so the compile's records and dumps would be empty: a compile that dumps
-turns the FX graph cache (and with it AOTAutograd's) off. Inductor settings are scoped to this backend's
-compiles (``config_patches``, which also wrap the lazily compiled backward), never set globally.
+A cache hit skips our passes, so their records travel beside the caches (``_record_cache``) and are read
+back on a hit: what a warm process reports equals the cold one's (a hit whose records are missing warns).
+Dumps need the graphs themselves: a compile that dumps turns the FX graph cache and AOTAutograd's off.
+Inductor settings are scoped to this backend's compiles (``config_patches``, which also wrap the lazily
+compiled backward), never set globally.
 """
 
 from __future__ import annotations
@@ -21,14 +23,17 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import warnings
 from collections.abc import Callable
 
 import torch
 from torch._dynamo.backends.common import aot_autograd
+from torch._guards import detect_fake_mode
 from torch._functorch._aot_autograd.utils import make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from fsdp_compile import _record_cache
 from fsdp_compile._annotations import fsdp_meta
 from fsdp_compile.config import CompileConfig
 from fsdp_compile.debug.dump import CompileHook, readable
@@ -37,6 +42,7 @@ from fsdp_compile.passes.cost_model import CostModel
 from fsdp_compile.passes.pin_order import pin_collective_order
 from fsdp_compile.passes.pipeline import PassRecord, run_passes
 from fsdp_compile.passes.recompute import tag_unshard_recompute
+from fsdp_compile.passes.regions import RegionDecision, admit_regions
 from fsdp_compile.passes.schedule import Schedule
 from fsdp_compile.plan import ShardingPlan
 
@@ -51,6 +57,17 @@ class CapturedGraphs:
     backward: list[torch.fx.GraphModule] = dataclasses.field(default_factory=list)
     records: list[PassRecord] = dataclasses.field(default_factory=list)
     output_code: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (kind, Inductor's source)
+    regions: list[RegionDecision] = dataclasses.field(default_factory=list)  # per region call of each Dynamo graph
+
+    def collectives(self, kind: str) -> dict[str, int]:
+        """Collectives in every compiled ``kind`` ("forward" | "backward") graph so far, from the records:
+        the same whether the passes ran here or a cache served the compile."""
+        out = {"all_gathers": 0, "reduce_scatters": 0, "all_reduces": 0}
+        for r in self.records:
+            if r.kind == kind:
+                for k, v in r.collectives.items():
+                    out[k] += v
+        return out
 
 
 @functools.cache
@@ -121,28 +138,35 @@ def make_backend(
         u.issue_at != i or u.backward_issue_at != i or u.sink for i, u in enumerate(schedule.units)
     )
 
-    def on_graph(kind: str, gm: torch.fx.GraphModule) -> None:
+    def on_graph(kind: str, gm: torch.fx.GraphModule, record_key: str | None = None) -> None:
         """Every forward/backward graph, before it is compiled: our passes, then the record and dumps.
         Inductor also runs its post-grad hooks on each region's body (``invoke_subgraph``): a body holds
         no FSDP collective (they stay at top level) and is left alone."""
-        if not any(fsdp_meta(n) is not None for n in gm.graph.nodes):
+        if not _is_top_level(gm):
             return
         graphs = getattr(captured, kind)
         record = run_passes(gm, kind, len(graphs), schedule, cost_model, snapshot=snapshot)
         captured.records.append(record)
         graphs.append(gm)
         hook.passes(record)
+        if record_key is not None:
+            _record_cache.store(record_key, record)
 
     def backend(gm: torch.fx.GraphModule, example_inputs):
+        # regions that would compute something else than the inline compile are inlined (passes/regions.py)
+        captured.regions.extend(admit_regions(gm, detect_fake_mode(example_inputs)))
         hook.dynamo(len(captured.dynamo), gm)
         captured.dynamo.append(gm)
         if inductor:
             key = (sorted(reshard.items()), dataclasses.replace(config, dump_dir=None), schedule.digest(),
                    cost_model.profile)
+            record_key = _record_cache.graph_key(gm, example_inputs, repr(key) + _source_hash())
+            stored = _record_cache.load(record_key)
             patches = {
                 "joint_custom_pre_pass": _Pass("recompute", key, lambda g: tag_unshard_recompute(g, reshard)),
                 "post_grad_custom_pre_pass": _Pass(
-                    "schedule", key, lambda g: on_graph("backward" if _is_backward(g) else "forward", g.owning_module)
+                    "schedule", key,
+                    lambda g: on_graph("backward" if _is_backward(g) else "forward", g.owning_module, record_key),
                 ),
                 "post_grad_custom_post_pass": _Pass(
                     "pin", key, lambda g: pin_collective_order(g.owning_module) if moves_anything else None
@@ -155,7 +179,7 @@ def make_backend(
             patches["reorder_for_peak_memory"] = False
             if config.dump_dir:
                 patches["fx_graph_cache"] = False  # a cache hit would skip the passes that write the dump
-            return _inductor(gm, example_inputs, patches, captured, hook)
+            return _inductor(gm, example_inputs, patches, captured, hook, stored, use_aot_cache=not config.dump_dir)
         decompositions = DECOMPOSITIONS
         if config.backend == "inductor":
             decompositions = _decomp_table()
@@ -185,21 +209,49 @@ def _aot_eager(gm, example_inputs, reshard, on_graph, decompositions):
     )(gm, example_inputs)
 
 
-def _inductor(gm, example_inputs, patches, captured, hook):
+def _is_top_level(gm: torch.fx.GraphModule) -> bool:
+    """A forward or backward graph of the step (it holds our collectives), not a region's body."""
+    return any(fsdp_meta(n) is not None for n in gm.graph.nodes)
+
+
+def _inductor(gm, example_inputs, patches, captured, hook, stored: dict | None, use_aot_cache: bool):
+    """``stored``: the records of an earlier compile of this graph (``_record_cache``), taken in place of
+    the ones our passes would write when a cache serves the compile."""
+    from torch._dynamo.utils import counters
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    def from_cache(kind: str) -> None:
+        if stored and kind in stored:
+            captured.records.append(PassRecord(**{**stored[kind], "index": sum(r.kind == kind for r in captured.records)}))
+        else:
+            warnings.warn(
+                f"fsdp_compile: a cache served this {kind} graph but our passes' record of it is missing (was "
+                "fsdp_compile imported before torch.compiler.load_cache_artifacts?): compiled.captured and the "
+                "collective counts leave that graph out; delete TORCHINDUCTOR_CACHE_DIR to compile it afresh",
+                stacklevel=2,
+            )
 
     def inner_compile(g, *args, **kwargs):
         """Inductor's own, observed: the generated code goes to the record and the dump (nothing here
         changes the graph, which the AOTAutograd cache's key would not see)."""
         kind = "backward" if kwargs.get("is_backward") else "forward"
+        before = len(captured.records)
         out = compile_fx_inner(g, *args, **kwargs)
+        if len(captured.records) == before and _is_top_level(g):  # the FX graph cache served it
+            from_cache(kind)
         source = getattr(out, "source_code", None)
         if source:
             captured.output_code.append((kind, source))
             hook.output_code(kind, sum(1 for k, _ in captured.output_code if k == kind) - 1, source)
         return out
 
-    return compile_fx(
-        gm, example_inputs, inner_compile=inner_compile, decompositions=_DecompTable(_decomp_table()),
-        config_patches=patches,
-    )
+    hits = counters["aot_autograd"]["autograd_cache_hit"]
+    with torch._functorch.config.patch(enable_autograd_cache=use_aot_cache and torch._functorch.config.enable_autograd_cache):
+        out = compile_fx(
+            gm, example_inputs, inner_compile=inner_compile, decompositions=_DecompTable(_decomp_table()),
+            config_patches=patches,
+        )
+    if counters["aot_autograd"]["autograd_cache_hit"] > hits:  # AOTAutograd's cache served forward and backward
+        from_cache("forward")
+        from_cache("backward")
+    return out

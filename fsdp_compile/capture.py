@@ -29,6 +29,7 @@ import torch.nn as nn
 from torch.distributed.fsdp._fully_shard._fsdp_common import _cast_fp_tensor
 from torch.distributed.utils import _apply_to_tensors
 
+from fsdp_compile import _invoke_subgraph
 from fsdp_compile.ops import Comm, Reduction, UnshardArgs
 from fsdp_compile.passes.schedule import Schedule, Unit
 from fsdp_compile.plan import ParamPlan, ShardingPlan, fsdp_states
@@ -306,7 +307,9 @@ def _make_region(blocks: list[nn.Module], index: int):
 
 def install_regions(model: nn.Module, plan: ShardingPlan) -> list[list[str]]:
     """Route every repeated block's forward through its region while a compiled step runs with regions on
-    (idempotent; outside a compiled step the block's own forward runs). Returns the repeated blocks."""
+    (idempotent; outside a compiled step the block's own forward runs). Returns the repeated blocks: kind
+    ``i`` runs as ``fsdp_compile_region_<i>``, unless ``passes/regions.py`` inlines its calls."""
+    _invoke_subgraph.register()
     modules = dict(model.named_modules())
     repeated = find_repeated_blocks(model, plan)
     for index, fqns in enumerate(repeated):

@@ -47,6 +47,8 @@ class Report:
     graphs: list[dict] = dataclasses.field(default_factory=list)  # per graph: collectives, moves, simulations (PassRecord)
     schedule: dict | None = None  # passes.schedule.Schedule.to_dict(): units, prefetch, sinks, its own predictions
     planning_ms: float | None = None  # time spent planning the schedule (once per compiled model)
+    # per kind of repeated block: {"blocks": [FSDP module FQNs], "region": bool, "why": None | why inline}
+    regions: list[dict] = dataclasses.field(default_factory=list)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
@@ -70,6 +72,8 @@ class Report:
             f"- the graphs as placed (every collective where FSDP2's hooks issue it, before the schedule's moves): "
             f"step {est(self.eager_est_step_ms, ' ms')}, "
             f"exposed communication {est(self.eager_est_exposed_comm_ms, ' ms')}, peak {mib(self.eager_est_peak_bytes)}",
+            *(f"- repeated blocks {_blocks(r['blocks'])}: "
+              + ("one compiled region" if r["region"] else f"compiled inline: {r['why']}") for r in self.regions),
             "",
             "| unit | FSDP modules | parameters | unsharded MiB | issued at (forward) | issued at (backward) | RS waits after |",
             "|---|---|---|---|---|---|---|",
@@ -88,6 +92,26 @@ class Report:
         from fsdp_compile.debug.timeline import save_timeline
 
         save_timeline(self, path)
+
+
+def _blocks(fqns: list[str]) -> str:
+    return f"`{fqns[0]}` .. `{fqns[-1]}` ({len(fqns)})" if len(fqns) > 2 else ", ".join(f"`{f}`" for f in fqns)
+
+
+def region_summary(repeated: list[list[str]], decisions, enabled: bool) -> list[dict]:
+    """``Report.regions``: kind ``i`` of ``repeated`` (``capture.install_regions``) runs as
+    ``fsdp_compile_region_<i>``; ``decisions`` are ``passes.regions.admit_regions``' for every call."""
+    out = []
+    for i, blocks in enumerate(repeated):
+        whys = [d.why for d in decisions if d.region == f"fsdp_compile_region_{i}"]
+        if not enabled:
+            why = "CompileConfig(regions=False)"
+        elif not whys:
+            why = "not called as a region in the captured step"
+        else:
+            why = next((w for w in whys if w is not None), None)
+        out.append({"blocks": list(blocks), "region": why is None, "why": why})
+    return out
 
 
 def count_collectives(graphs) -> dict[str, int]:

@@ -13,7 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from models import FrozenBuffers, Llama, LlamaArgs, OddMLP, shard
+from models import FrozenBuffers, Llama, LlamaArgs, OddMLP, Patterns, shard
+
+PATTERNS = ("rope_complex", "moe", "dropout_ckpt", "dropout_cw")  # models.Patterns
 
 MP = {
     None: None,
@@ -25,7 +27,7 @@ MP = {
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-    model: str = "llama"  # llama | llama_tied | llama_ac | llama_grouped | odd | frozen
+    model: str = "llama"  # llama | llama_tied | llama_ac | llama_grouped | odd | frozen | one of PATTERNS
     reshard: bool | int | None = None  # None: fully_shard's default (True, root kept unsharded); int: post-forward mesh
     mp: str | None = None
     backend: str = "aot_eager"
@@ -34,7 +36,7 @@ class Case:
     n_layers: int = 2
     bucket: object = "fsdp_group"  # CompileConfig.bucket (an explicit plan as a tuple of tuples)
     reorder: bool = False
-    regions: bool = True  # CompileConfig.regions
+    regions: bool = True  # CompileConfig.regions (on: a second compiled model with regions off is checked too)
     offload: bool = False  # CPUOffloadPolicy(pin_memory=False) on every FSDP module
     replicate: int = 1  # > 1: a (replicate, world/replicate) mesh, HSDP (= world: FSDP1's NO_SHARD)
     ignored: bool = False  # the root's norm weight in ignored_params: not sharded, its gradient not reduced
@@ -69,8 +71,11 @@ def build(case: Case):
         blocks = list(m.layers)
         if case.model == "llama_grouped":  # fully_shard([layers.0, layers.1]): one FSDP group of two modules
             blocks = [blocks[:2], *blocks[2:]]
+    elif case.model in PATTERNS:
+        m = Patterns(case.model, n_layers=case.n_layers)
+        blocks = list(m.layers)
     elif case.model == "odd":
-        m, blocks = OddMLP(), None
+        m = OddMLP()
         blocks = m.blocks
     elif case.model == "frozen":
         m = FrozenBuffers()
@@ -102,7 +107,7 @@ def build(case: Case):
 
 def batch(case: Case, step: int, rank: int):
     g = torch.Generator().manual_seed(1000 * step + rank)
-    if case.model.startswith("llama"):
+    if case.model.startswith("llama") or case.model in PATTERNS:
         return torch.randint(0, 256, (2, 16), generator=g)
     if case.model == "odd":
         return torch.randn(4, 6, generator=g)
@@ -110,7 +115,7 @@ def batch(case: Case, step: int, rank: int):
 
 
 def loss_fn(case: Case, out, inp):
-    if case.model.startswith("llama"):
+    if case.model.startswith("llama") or case.model in PATTERNS:
         return F.cross_entropy(out.flatten(0, 1).float(), inp.flatten())
     return out.float().pow(2).mean()
 
@@ -129,47 +134,70 @@ def max_diff(xs, ys) -> float:
 
 
 def run_case(case: Case, rank: int, world_size: int) -> dict:
+    """Eager FSDP2 and the compiled model, trained side by side. With ``case.regions`` a third model is
+    compiled with regions off, the differential guard: a region must compute what the inline compile
+    computes (``inline_*`` keys)."""
     import fsdp_compile as fc
 
-    eager, comp = build(case), build(case)
-    compiled = fc.compile(comp, backend=case.backend, bucket=case.bucket, reorder=case.reorder, regions=case.regions)
+    eager = build(case)
+    variants = {"compiled": case.regions}
+    if case.regions:
+        variants["inline"] = False
+    models = {name: build(case) for name in variants}
+    compiled = {
+        name: fc.compile(models[name], backend=case.backend, bucket=case.bucket, reorder=case.reorder, regions=regions)
+        for name, regions in variants.items()
+    }
     opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-2)
-    opt_c = torch.optim.AdamW(compiled.parameters(), lr=1e-2)
-    out = {"loss_eager": [], "loss_compiled": [], "grad_diff": [], "param_diff": []}
+    opts = {name: torch.optim.AdamW(c.parameters(), lr=1e-2) for name, c in compiled.items()}
+    out = {"loss_eager": []}
+    for name in variants:
+        out.update({f"loss_{name}": [], f"{name}_grad_diff": [], f"{name}_param_diff": [], f"{name}_buffer_diff": []})
     for step in range(case.steps):
         for micro in range(case.accum):
             x = batch(case, step * case.accum + micro, rank)
+            torch.manual_seed(100 + step)  # the same random numbers (dropout) for every model
             le = loss_fn(case, eager(x), x)
             le.backward()
-            lc = loss_fn(case, compiled(x), x)
-            lc.backward()
+            losses = {}
+            for name, c in compiled.items():
+                torch.manual_seed(100 + step)
+                losses[name] = loss_fn(case, c(x), x)
+                losses[name].backward()
         out["loss_eager"].append(le.item())
-        out["loss_compiled"].append(lc.item())
-        out["grad_diff"].append(max_diff([p.grad for p in eager.parameters()], [p.grad for p in comp.parameters()]))
+        for name in variants:
+            out[f"loss_{name}"].append(losses[name].item())
+            out[f"{name}_grad_diff"].append(
+                max_diff([p.grad for p in eager.parameters()], [p.grad for p in models[name].parameters()]))
+            out[f"{name}_buffer_diff"].append(max_diff(list(eager.buffers()), list(models[name].buffers())))
         out["grad_types"] = sorted(
-            {type(p.grad).__name__ for p in comp.parameters() if p.requires_grad and type(p).__name__ == "DTensor"}
+            {type(p.grad).__name__ for p in models["compiled"].parameters() if p.requires_grad and type(p).__name__ == "DTensor"}
         )
         opt_e.step()
-        opt_c.step()
         opt_e.zero_grad()
-        opt_c.zero_grad()
-        out["param_diff"].append(max_diff(list(eager.parameters()), list(comp.parameters())))
-    out["dynamo_graphs"] = len(compiled.captured.dynamo)
+        for name in variants:
+            opts[name].step()
+            opts[name].zero_grad()
+            out[f"{name}_param_diff"].append(max_diff(list(eager.parameters()), list(models[name].parameters())))
+    comp = compiled["compiled"]
+    out["grad_diff"], out["param_diff"] = out["compiled_grad_diff"], out["compiled_param_diff"]
+    out["dynamo_graphs"] = len(comp.captured.dynamo)
+    out["regions"] = comp.regions()
     from fsdp_compile.report import count_collectives
 
-    out["forward"] = count_collectives(compiled.captured.forward[:1])
-    out["backward"] = count_collectives(compiled.captured.backward[:1])
+    out["forward"] = count_collectives(comp.captured.forward[:1])
+    out["backward"] = count_collectives(comp.captured.backward[:1])
     from fsdp_compile.passes.predicates import world_size as group_size
 
     out["all_gather_sizes"] = {  # the process group size of every all-gather, in graph order
-        kind: [group_size(n) for n in getattr(compiled.captured, kind)[0].graph.nodes
+        kind: [group_size(n) for n in getattr(comp.captured, kind)[0].graph.nodes
                if n.target is torch.ops._c10d_functional.all_gather_into_tensor.default]
         for kind in ("forward", "backward")
     }
     import hashlib
 
     out["graph_hash"] = hashlib.sha256(
-        "".join(g.code for g in compiled.captured.forward + compiled.captured.backward).encode()
+        "".join(g.code for g in comp.captured.forward + comp.captured.backward).encode()
     ).hexdigest()
     return out
 

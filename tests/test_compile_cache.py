@@ -1,6 +1,6 @@
 """Warm restarts: a second process compiling the same model and config is served by Inductor's FX graph
 cache and AOTAutograd's cache, and a process with an empty cache directory starts warm from artifacts saved
-with ``torch.compiler.save_cache_artifacts`` (counters, not timings).
+with ``torch.compiler.save_cache_artifacts`` (counters, not timings); all three report the same collectives.
 
 Each run is a fresh Python process: one real gloo rank (the numbers must be real to compare the losses),
 a 2-block Llama under the default config (Inductor, regions, the default schedule).
@@ -40,6 +40,8 @@ print("RESULT " + json.dumps({
     "inductor": {k: v for k, v in counters["inductor"].items() if "cache" in k},
     "aot": {k: v for k, v in counters["aot_autograd"].items() if "cache" in k},
     "loss": loss.item(),
+    "collectives": [compiled.captured.collectives("forward"), compiled.captured.collectives("backward")],
+    "records": len(compiled.captured.records),
     "grad": float(sum(p.grad.to_local().double().square().sum() for p in m.parameters())),
 }))
 """
@@ -73,3 +75,6 @@ def test_second_process_hits_the_caches(tmp_path):
         assert run["inductor"].get("fxgraph_cache_hit", 0) >= 2 and not run["inductor"].get("fxgraph_cache_miss"), run
         assert run["aot"].get("autograd_cache_hit", 0) >= 1, run
         assert (run["loss"], run["grad"]) == (cold["loss"], cold["grad"])
+        # what the step reports about its collectives does not depend on the cache (the demo prints it)
+        assert run["collectives"] == cold["collectives"] and run["records"] == cold["records"] == 2, (run, cold)
+    assert cold["collectives"][0]["all_gathers"] > 0 and cold["collectives"][1]["all_gathers"] > 0, cold  # resharded blocks re-gather

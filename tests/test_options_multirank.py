@@ -77,6 +77,43 @@ def test_accumulation_without_sync(mp):
         assert r["dynamo_graphs"] == 2, r["dynamo_graphs"]
 
 
+def mixed_sync_worker(rank, world_size):
+    """Gradient sync off for one block of an auto bucket (the user's setter, the bucket our choice): the
+    step is re-planned with buckets split along it (also for the step that syncs what it accumulated), and
+    trains like eager."""
+    import fsdp_compile as fc
+
+    case = Case(n_layers=3)
+    eager, model = build(case), build(case)
+    compiled = fc.compile(model, backend="aot_eager", hardware="cpu-gloo")  # bucket="auto", reorder=True
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (eager, model)]
+    out = {"losses": [], "grad_diff": [], "param_diff": [], "units": []}
+    for step in range(3):  # step 0 syncs everything; then 3 micro-batches, layers.1 synced in the last only
+        micros = 1 if step == 0 else 3
+        for micro in range(micros):
+            for m in (eager, model):
+                m.layers[1].set_requires_gradient_sync(micro == micros - 1, recurse=False)
+            le = _micro(case, eager, 3 * step + micro, rank)
+            lc = _micro(case, compiled, 3 * step + micro, rank)
+            out["losses"].append((le, lc))
+            out["units"].append([list(u.members) for u in compiled.schedule.units])
+        out["grad_diff"].append(max_diff([p.grad for p in eager.parameters()], [p.grad for p in model.parameters()]))
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        out["param_diff"].append(max_diff(list(eager.parameters()), list(model.parameters())))
+    return out
+
+
+def test_auto_buckets_follow_gradient_sync():
+    for rank, r in enumerate(run_ranks(mixed_sync_worker, 2, timeout=600)):
+        assert all(le == lc for le, lc in r["losses"]), (rank, r["losses"])
+        assert max(r["grad_diff"]) == 0.0 and max(r["param_diff"]) == 0.0, (rank, r)
+        merged, split = r["units"][0], r["units"][1]  # all in sync; layers.1 without
+        assert ["layers.0", "layers.1"] in merged, merged
+        assert ["layers.1"] in split and not any(len(u) > 1 and "layers.1" in u for u in split), split
+
+
 def settings_worker(rank, world_size):
     from fsdp_compile.report import count_collectives
 

@@ -10,7 +10,7 @@ tolerance (see ``test_inductor_close``).
 import pytest
 
 from dist_helpers import run_ranks
-from parity import Case, parity_worker
+from parity import PATTERNS, Case, parity_worker
 
 pytestmark = pytest.mark.multirank
 
@@ -32,9 +32,11 @@ CASES_2 = [
     Case(bucket=(("layers.0", "layers.1"),), reorder=True),
     Case(model="odd", bucket="auto", reorder=True),
     Case(mp="bf16", bucket="auto", reorder=True),
-    # every block traced on its own (regions are on in every other case)
-    Case(regions=False),
-    Case(model="llama_ac", mp="bf16", regions=False),
+    Case(model="llama_ac", mp="bf16"),
+    # block patterns of real clients (complex RoPE, an MoE buffer update, dropout under checkpointing), under
+    # the default bucketing and reordering; with regions on and off (every case with regions on also
+    # trains a copy compiled with regions off: the differential guard)
+    *(Case(model=p, bucket="auto", reorder=True) for p in PATTERNS),
     Case(offload=True),  # CPUOffloadPolicy on a CPU device: what eager FSDP2 does there
     Case(model="llama_grouped", n_layers=3),  # fully_shard([layers.0, layers.1]) and layers.2
     Case(model="llama_grouped", n_layers=3, bucket="auto", reorder=True, mp="bf16"),
@@ -72,6 +74,11 @@ def _check_bitwise(results, case):
         assert max(r["grad_diff"]) == 0.0, (rank, r["grad_diff"])
         assert max(r["param_diff"]) == 0.0, (rank, r["param_diff"])
         assert r["grad_types"] == ["DTensor"], r["grad_types"]  # gradients land on the sharded DTensors
+        for name in ("compiled", "inline") if case.regions else ("compiled",):
+            assert r[f"loss_{name}"] == r["loss_eager"], (rank, name, r["loss_eager"], r[f"loss_{name}"])
+            assert max(r[f"{name}_grad_diff"]) == 0.0, (rank, name, r[f"{name}_grad_diff"])
+            assert max(r[f"{name}_param_diff"]) == 0.0, (rank, name, r[f"{name}_param_diff"])
+            assert max(r[f"{name}_buffer_diff"]) == 0.0, (rank, name, r[f"{name}_buffer_diff"])
 
 
 @pytest.mark.parametrize("case", CASES_2, ids=lambda c: c.name)
@@ -82,6 +89,19 @@ def test_bitwise_2_ranks(results_2, case):
 @pytest.mark.parametrize("case", CASES_4, ids=lambda c: c.name)
 def test_bitwise_4_ranks(results_4, case):
     _check_bitwise(results_4, case)
+
+
+def test_which_patterns_are_regions(results_2):
+    """Complex RoPE and checkpoint_wrapper blocks stay regions (the first through our Conjugate kernel for
+    invoke_subgraph); an MoE block that updates a buffer in place, and dropout under torch.utils.checkpoint
+    around a region, are compiled inline, and the report says why."""
+    from fsdp_compile.passes.regions import MUTATES_INPUT, RANDOM_UNDER_CHECKPOINT
+
+    expected = {"rope_complex": None, "dropout_cw": None, "moe": MUTATES_INPUT, "dropout_ckpt": RANDOM_UNDER_CHECKPOINT}
+    for pattern, why in expected.items():
+        regions = results_2[0][Case(model=pattern, bucket="auto", reorder=True).name]["regions"]
+        assert regions == [{"blocks": ["layers.0", "layers.1"], "region": why is None, "why": why}], (pattern, regions)
+    assert results_2[0][Case().name]["regions"] == [{"blocks": ["layers.0", "layers.1"], "region": True, "why": None}]
 
 
 def test_graphs_identical_on_every_rank(results_2):

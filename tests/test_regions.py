@@ -141,3 +141,92 @@ def test_hf_llama_layers_share_a_region():
         compiled(input_ids=ids, labels=ids).loss.backward()
     # the decoder layers are called with keyword arguments and each carries its own layer_idx
     assert _region_calls(compiled.captured.dynamo[0]) == ["subgraph_0"] * 3
+
+
+# --- region admission (passes/regions.py), on Dynamo graphs without FSDP -----------------------------------
+
+
+def _dynamo_graph(fn, *args):
+    """Dynamo's graph of ``fn`` (fullgraph), as our backend receives it, with the fake mode of its inputs."""
+    from torch._guards import detect_fake_mode
+
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append((gm, detect_fake_mode(example_inputs)))
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=backend, fullgraph=True)(*args)
+    return seen[0]
+
+
+def test_admission_inlines_random_ops_only_under_checkpoint():
+    """One region called twice, once inside ``torch.utils.checkpoint``: only that call is inlined (its
+    recompute would draw new random numbers); the other stays a region."""
+    import torch.nn.functional as F
+    from torch.utils.checkpoint import checkpoint
+
+    from fsdp_compile.passes.regions import RANDOM_UNDER_CHECKPOINT, admit_regions
+
+    @torch.compiler.nested_compile_region
+    def body(x, w):
+        return F.dropout(x @ w, 0.5, True)
+
+    def fn(x, w):
+        return checkpoint(body, x, w, use_reentrant=False) + body(x, w)
+
+    gm, fake_mode = _dynamo_graph(fn, torch.randn(4, 4, requires_grad=True), torch.randn(4, 4))
+    decisions = admit_regions(gm, fake_mode)
+    assert [d.why for d in decisions] == [RANDOM_UNDER_CHECKPOINT, None], decisions
+    (ckpt,) = [n for n in gm.graph.nodes if n.target is torch.ops.higher_order.tag_activation_checkpoint]
+    ckpt_body = getattr(gm, ckpt.args[0].target).graph
+    assert not any(n.target is _invoke_subgraph for n in ckpt_body.nodes)  # the body was copied in ...
+    assert any(n.target is torch.nn.functional.dropout for n in ckpt_body.nodes)  # ... dropout and all
+    assert sum(n.target is _invoke_subgraph for n in gm.graph.nodes) == 1  # the other call: still a region
+
+
+def test_admission_inlines_input_mutation():
+    """A body that updates a buffer in place (an MoE token counter): inlined, and the graph still runs it."""
+    from fsdp_compile.passes.regions import MUTATES_INPUT, admit_regions
+
+    @torch.compiler.nested_compile_region
+    def body(x, counter):
+        with torch.no_grad():
+            counter.add_((x > 0).sum(0))
+        return x * 2
+
+    def fn(x, counter):
+        return body(x, counter) + body(x, counter)
+
+    counter = torch.zeros(4, dtype=torch.long)
+    gm, fake_mode = _dynamo_graph(fn, torch.randn(3, 4), counter)
+    decisions = admit_regions(gm, fake_mode)
+    assert [d.why for d in decisions] == [MUTATES_INPUT, MUTATES_INPUT]
+    assert not any(n.target is _invoke_subgraph for n in gm.graph.nodes)
+    x, fresh = torch.randn(3, 4), torch.zeros(4, dtype=torch.long)
+    (out,) = gm(x, fresh)
+    assert torch.equal(out, 4 * x) and torch.equal(fresh, 2 * (x > 0).sum(0))
+
+
+def test_complex_region_trains():
+    """Complex RoPE inside a region saves a conjugate view for the backward region: torch 2.13 has no
+    Conjugate kernel for invoke_subgraph; ours (fsdp_compile._invoke_subgraph) resolves it, bitwise."""
+    from fsdp_compile import _invoke_subgraph
+
+    _invoke_subgraph.register()
+
+    @torch.compiler.nested_compile_region
+    def body(x, freqs):
+        return torch.view_as_real(torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2)) * freqs).flatten(-2)
+
+    def fn(x, freqs):
+        return body(body(x, freqs), freqs)
+
+    freqs = torch.polar(torch.ones(4), torch.arange(4.0))
+    x = torch.randn(3, 8, requires_grad=True)
+    fn(x, freqs).pow(2).sum().backward()
+    expected, x.grad = x.grad, None
+    torch._dynamo.reset()
+    torch.compile(fn, backend="aot_eager", fullgraph=True)(x, freqs).pow(2).sum().backward()
+    assert torch.equal(x.grad, expected)

@@ -1,7 +1,7 @@
 """Everything written about a compile: readable graphs, stage dumps, TORCH_TRACE artifacts, dump directories.
 
 Two producers share the file names, so both kinds of dump sort the same way, in pipeline order:
-``0_dynamo0.txt``, ``1_forward0_0_captured.txt``, ``1_forward0_1_bucketed.txt``, ``1_forward0_2_reordered.txt``,
+``0_dynamo0.txt``, ``1_forward0_0_captured.txt``, ``1_forward0_1_reordered.txt``,
 ``1_forward0_9_inductor_output_code.py``, ``2_backward0_...``, then the reports:
 
 * ``CompileHook``, the backend's one hook, while a real compile runs (``CompileConfig.dump_dir`` or

@@ -41,6 +41,9 @@ class PassRecord:
     peak_node: str | None
     pinned_edges: int  # control dependencies added for Inductor (0 when not pinned)
     stages: list[tuple[str, str]]  # (stage name, readable graph) when a snapshot function was given
+    # collectives in the graph as compiled: {"all_gathers", "reduce_scatters", "all_reduces"} -> count
+    collectives: dict = dataclasses.field(default_factory=dict)
+    cached: bool = False  # read back with a compile that Inductor's or AOTAutograd's cache served (backend.py)
 
 
 def run_passes(
@@ -75,6 +78,11 @@ def run_passes(
         for n in P.collectives(graph)
         if P.fsdp_meta(n) is not None
     ]
+    counts = {"all_gathers": 0, "reduce_scatters": 0, "all_reduces": 0}
+    for n in P.collectives(graph):
+        name = f"{P.collective_kind(n)}s"
+        if name in counts:
+            counts[name] += 1
     # Only reordered graphs need pinning against Inductor's scheduler (see pin_order.py).
     pinned = pin_collective_order(gm) if pin_order and moves else 0
     gm.recompile()
@@ -83,4 +91,5 @@ def run_passes(
         moves=[dataclasses.asdict(m) for m in moves], comm_budget=schedule.comm_budget_bytes,
         before=before.to_dict(), after=after.to_dict(), peak_before=peak_before, peak_after=peak_after,
         peak_node=None if peak_node is None else peak_node.name, pinned_edges=pinned, stages=stages,
+        collectives=counts,
     )
