@@ -1,0 +1,122 @@
+"""torchtitan's Llama3 and DeepSeek-V3 debug models, built and sharded by torchtitan's own code
+(``parallelize_llama`` / ``parallelize_deepseekv3``: its mixed precision, bf16 parameters and fp32 reduction,
+its reshard policy, ``set_gradient_divide_factor(1.0)``), trained with its loss, its optimizers container, its
+MoE load-balancing hook and its ``clip_grad_norm_`` on 2 gloo ranks: ``fsdp_compile.compile`` trains them
+bitwise like eager FSDP2 under ``aot_eager``, with the default config otherwise, and close to it under
+Inductor. What the harness adapts to CPU, and why, is in ``torchtitan_cases``.
+
+torchtitan is not in the test extra (its declared dependencies are its trainer's: datasets, tensorboard,
+wandb, torchdata...); install it and the two modules its models import with ``torchtitan_cases.INSTALL``
+(``torchtitan==0.3.0 --no-deps``, then ``spmd-types`` and ``tyro``), or these tests skip, saying what is missing.
+"""
+
+import pytest
+
+from dist_helpers import run_ranks
+from torchtitan_cases import TitanCase, titan_worker, torchtitan_missing
+
+pytestmark = pytest.mark.multirank
+
+_missing = torchtitan_missing()
+if _missing:
+    pytest.skip(_missing, allow_module_level=True)
+
+LLAMA = TitanCase(model="llama3")
+# the first three layers: one dense block and two MoE blocks, so the MoE block is a repeated kind of block
+# that fsdp_compile considers for a region (with two layers every block is of its own kind)
+DEEPSEEK = TitanCase(model="deepseek_v3", n_layers=3)
+BITWISE = [
+    LLAMA,  # regions on (the default): both blocks one region, complex RoPE inside
+    TitanCase(model="llama3", regions=False),
+    DEEPSEEK,  # regions on: the MoE blocks update their token counters in place, so they are compiled inline
+    TitanCase(model="deepseek_v3", n_layers=3, regions=False),
+    TitanCase(model="llama3", ac="selective"),  # torchtitan's SelectiveAC, its debug config's choice
+    TitanCase(model="llama3", loss="chunked"),  # ChunkedLossWrapper, its debug config's loss: lm_head run by the loss
+]
+DEEPSEEK_SAC = TitanCase(model="deepseek_v3", n_layers=3, ac="selective")
+INDUCTOR = TitanCase(model="llama3", backend="inductor", steps=2)
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_ranks(titan_worker, 2, [*BITWISE, DEEPSEEK_SAC], timeout=600)
+
+
+def _ok(results, case):
+    for rank, per_rank in enumerate(results):
+        r = per_rank[case.name]
+        assert "error" not in r, f"rank {rank}:\n{r['error']}"
+        assert r["graph_breaks"] == 0, (rank, r["graph_breaks"])
+        assert r["param_dtype"] == "torch.bfloat16"  # torchtitan's mixed precision is on
+        yield rank, r
+
+
+@pytest.mark.parametrize("case", BITWISE, ids=lambda c: c.name)
+def test_torchtitan_bitwise(results, case):
+    for rank, r in _ok(results, case):
+        # ChunkedLossWrapper ends each step with lm_head.set_reshard_after_forward(True): [norm, lm_head],
+        # which torchtitan shards with reshard_after_forward=False, reshards after forward from the second
+        # step on, in eager FSDP2 too; the compiled model re-plans once for that setting
+        assert r["dynamo_graphs"] == (2 if case.loss == "chunked" else 1), (rank, r["dynamo_graphs"])
+        assert r["loss_eager"] == r["loss_compiled"], (rank, r["loss_eager"], r["loss_compiled"])
+        assert r["norm_eager"] == r["norm_compiled"], (rank, r["norm_eager"], r["norm_compiled"])
+        for key in ("grad_diff", "counter_diff", "param_diff", "buffer_diff"):
+            assert max(r[key]) == 0.0, (rank, key, r[key])
+
+
+def test_which_blocks_are_regions(results):
+    """Llama3's blocks (complex RoPE) are one region; DeepSeek-V3's MoE blocks, which count their tokens into
+    a buffer in place, are compiled inline, and the report says why; the dense block is of its own kind."""
+    regions = {case.name: next(_ok(results, case))[1]["regions"] for case in BITWISE}
+    assert regions[LLAMA.name] == [{"blocks": ["layers.0", "layers.1"], "region": True, "why": None}]
+    (moe,) = regions[DEEPSEEK.name]
+    assert moe["blocks"] == ["layers.1", "layers.2"] and not moe["region"] and moe["why"], moe
+    for case in BITWISE:
+        if case.regions is False:
+            assert all(not r["region"] for r in regions[case.name]), regions[case.name]
+
+
+def test_deepseek_moe_counters_and_hook_ran(results):
+    """The counters compared bitwise are live: every token counted top-k times in each MoE block before
+    torchtitan's pre-step hook all-reduces them, and the expert biases it updates moved."""
+    moe_layers, top_k = 2, 3
+    from torchtitan_cases import BATCH, SEQ
+
+    for _, r in _ok(results, DEEPSEEK):
+        counts = r["tokens_per_expert"]["compiled"]
+        assert sorted(counts) == ["layers.1.moe.tokens_per_expert_E", "layers.2.moe.tokens_per_expert_E"]
+        assert sum(sum(c) for c in counts.values()) == moe_layers * BATCH * SEQ * top_k, counts
+        assert r["expert_bias"] > 0.0
+
+
+def test_deepseek_selective_ac_counts_tokens_once(results):
+    """Under activation checkpointing, eager recomputes each MoE block's forward in backward and so adds its
+    token counts twice (torchtitan's hook halves them for that); the compiled step updates the buffer once,
+    as a forward mutation. The first step is bitwise equal until then; the counts differ by exactly 2x, so
+    the load-balancing bias updates, and the training after them, differ from eager's."""
+    for rank, r in _ok(results, DEEPSEEK_SAC):
+        assert r["dynamo_graphs"] == 1
+        assert r["loss_eager"][0] == r["loss_compiled"][0] and r["grad_diff"][0] == 0.0, (rank, r)
+        eager, compiled = r["tokens_per_expert"]["eager"], r["tokens_per_expert"]["compiled"]
+        assert eager == {n: [2 * x for x in c] for n, c in compiled.items()}, (rank, eager, compiled)
+
+
+@pytest.mark.inductor
+def test_torchtitan_inductor_close():
+    """Llama3 under Inductor (C++ on CPU), bf16 parameters: not bitwise (fused kernels round differently).
+    Tolerances: losses and gradient norms within 1e-3 relative, every gradient within 5 % of the largest
+    (measured: 1.4 %),
+    and the weights moved from their common start in the same direction (cosine >= 0.99; AdamW's first
+    steps are about lr * sign(gradient), so a few near-zero gradients that differ move their weights by
+    up to 2 * lr either way, which an elementwise bound would have to allow)."""
+    (r0, r1) = run_ranks(titan_worker, 2, [INDUCTOR], timeout=600)
+    for rank, per_rank in enumerate((r0, r1)):
+        r = per_rank[INDUCTOR.name]
+        assert "error" not in r, f"rank {rank}:\n{r['error']}"
+        assert r["graph_breaks"] == 0 and r["dynamo_graphs"] == 1, (rank, r)
+        for key in ("loss", "norm"):
+            for e, c in zip(r[f"{key}_eager"], r[f"{key}_compiled"], strict=True):
+                assert abs(e - c) <= 1e-3 * abs(e), (rank, key, e, c)
+        for diff, scale in zip(r["grad_diff"], r["grad_scale"], strict=True):
+            assert diff <= 0.05 * scale, (rank, diff, scale)
+        assert min(r["update_cos"]) >= 0.99, (rank, r["update_cos"])

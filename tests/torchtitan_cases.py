@@ -1,0 +1,297 @@
+"""torchtitan's Llama3 and DeepSeek-V3 debug models, built, sharded and trained by torchtitan's own code on
+CPU gloo ranks: eager FSDP2 next to ``fsdp_compile.compile`` on the same weights and batches.
+
+What is torchtitan's (0.3.0) and used as it is: the models' registered debug configs
+(``llama3_configs["debugmodel"]``, ``deepseekv3_configs["debugmodel"]``), ``parallelize_llama`` /
+``parallelize_deepseekv3`` (``apply_fsdp_to_decoder``: its ``MixedPrecisionPolicy`` from
+``TrainingConfig`` — bf16 parameters, fp32 reduction —, its reshard policy ``"default"``, one FSDP group per
+block, ``[norm, lm_head]`` kept unsharded after forward, the root, ``set_gradient_divide_factor(1.0)``),
+``ParallelDims`` and its meshes, ``init_weights``, ``CrossEntropyLoss`` (sum, divided by the global count of
+valid tokens from ``dist_sum_tensor``), ``OptimizersContainer`` from ``default_adamw`` (fused AdamW), the
+DeepSeek model spec's ``post_optimizer_build_fn`` (the MoE load-balancing pre-step hook that all-reduces
+``tokens_per_expert_E`` and updates ``expert_bias_E``), ``clip_grad_norm_`` and the order of
+``Trainer.train_step`` (``zero_grad(set_to_none=False)``, forward, loss, backward, clip, step).
+
+What this file changes, each because CPU gloo ranks need it (none changes the arithmetic):
+
+* ``torchtitan.tools.utils.device_type`` is ``"cuda"`` on a machine without an accelerator; its meshes are
+  built on it, so it is set to ``"cpu"`` here.
+* the attention is torchtitan's ``ScaledDotProductAttention`` (its flex and varlen attentions have no CPU
+  backward); the models are then called without attention masks, plain causal attention.
+* ``layers[:n_layers]``: the debug models have 6 layers; the first two of Llama3's, the first three of
+  DeepSeek-V3's (one dense block, then two MoE blocks: a repeated kind of MoE block).
+* every FSDP module gets ``set_force_sum_reduction_for_comms(True)``: with torchtitan's
+  ``set_gradient_divide_factor(1.0)`` eager FSDP2 reduce-scatters with ``PREMUL_SUM(1.0)``, which gloo does
+  not have; forced SUM with the same factor 1.0 is the same arithmetic (both models get it).
+* ``spmd_backend="partial_dtensor"``: torchtitan's default, ``"spmd_types"``, distributes every parameter
+  over its SPMD mesh first (from the sharding configs ``update_from_config`` sets) and passes
+  ``dp_mesh_dims=DataParallelMeshDims(shard="dp_shard")`` to ``fully_shard``, which ``fsdp_compile`` refuses
+  (README: ``dp_mesh_dims=`` refused); ``partial_dtensor`` is torchtitan's plain ``fully_shard(mesh=fsdp)``.
+* ``Decoder.Config.update_from_config`` is not called: it imports ``torchtitan.trainer`` (dataloaders,
+  tensorboard, checkpointing: packages the test extra does not need) and, with ``partial_dtensor`` and data
+  parallelism only, sets nothing these models use but the RoPE cache length (left at the config's; the
+  models read its first ``SEQ`` positions).
+* activation checkpointing only where a case asks for it (torchtitan's ``SelectiveAC`` / ``FullAC``
+  configs, applied by its parallelize functions), torchtitan's own compile off (``CompileConfig()``):
+  ``fsdp_compile`` compiles.
+
+Both models are initialized once, by torchtitan's ``init_weights`` on the eager one, and the compiled one
+gets a copy of its local shards and buffers (DTensor's random generator advances between two inits).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+VOCAB = 2048  # the debug models' vocabulary
+BATCH, SEQ = 2, 32
+
+
+@dataclasses.dataclass(frozen=True)
+class TitanCase:
+    model: str = "llama3"  # llama3 | deepseek_v3
+    backend: str = "aot_eager"
+    regions: bool | None = None  # None: fsdp_compile's default
+    steps: int = 3
+    n_layers: int = 2  # the first n layers of the debug model (DeepSeek-V3's first is dense, the rest MoE)
+    ac: str | None = None  # None | "selective" | "full": torchtitan's SelectiveAC / FullAC configs
+    loss: str = "ce"  # "ce": CrossEntropyLoss | "chunked": ChunkedLossWrapper (lm_head run by the loss)
+
+    @property
+    def name(self) -> str:
+        parts = [self.model, f"{self.n_layers}layers", self.backend]
+        if self.regions is not None:
+            parts.append(f"regions={self.regions}")
+        if self.ac:
+            parts.append(f"ac={self.ac}")
+        if self.loss != "ce":
+            parts.append(f"loss={self.loss}")
+        return "-".join(parts)
+
+
+TORCHTITAN = "0.3.0"  # the version this harness reads; its APIs change between releases
+INSTALL = (f"python3 -m pip install torchtitan=={TORCHTITAN} --no-deps && "
+           "python3 -m pip install spmd-types==0.3.1 tyro==1.0.16")
+
+
+def torchtitan_missing() -> str | None:
+    """Why torchtitan cannot be used here, or None."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        found = version("torchtitan")
+    except PackageNotFoundError:
+        return f"torchtitan is not installed ({INSTALL})"
+    if found != TORCHTITAN:
+        return f"torchtitan {found} is installed, these tests read torchtitan {TORCHTITAN} ({INSTALL})"
+    try:
+        import torchtitan.components.loss  # noqa: F401
+        import torchtitan.components.optimizer  # noqa: F401
+        import torchtitan.models.deepseek_v3  # noqa: F401
+        import torchtitan.models.llama3  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - its models import triton, spmd_types, tyro at import time
+        return f"torchtitan {found} is not importable ({type(e).__name__}: {e}; {INSTALL})"
+    return None
+
+
+def _on_cpu():
+    import torchtitan.distributed.parallel_dims as parallel_dims
+    import torchtitan.distributed.utils as dist_utils
+    import torchtitan.tools.utils as tools_utils
+
+    for module in (tools_utils, parallel_dims, dist_utils):
+        module.device_type = "cpu"
+
+
+def _parallel_dims(world_size: int):
+    from torchtitan.config import ParallelismConfig
+    from torchtitan.distributed import ParallelDims
+
+    parallelism = ParallelismConfig(spmd_backend="partial_dtensor")
+    dims = ParallelDims.from_config(parallelism, world_size)
+    dims.build_mesh()
+    return dims, parallelism
+
+
+def _model_config(model: str, n_layers: int):
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+
+    if model == "llama3":
+        from torchtitan.models.llama3 import llama3_configs as configs
+        from torchtitan.models.llama3 import parallelize_llama as parallelize
+
+        cfg = configs["debugmodel"](attn_backend="flex")
+    elif model == "deepseek_v3":
+        from torchtitan.models.deepseek_v3 import deepseekv3_configs as configs
+        from torchtitan.models.deepseek_v3 import parallelize_deepseekv3 as parallelize
+
+        cfg = configs["debugmodel"](attn_backend="flex", moe_comm_backend="standard")
+    else:
+        raise ValueError(model)
+    cfg.layers = cfg.layers[:n_layers]
+    for layer in cfg.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    return cfg, parallelize
+
+
+def build(case, dims, parallelism, dump_folder: str):
+    """One sharded torchtitan model, its loss, optimizers container and training config."""
+    from torch.distributed.fsdp import FSDPModule
+    from torchtitan.components.loss import CrossEntropyLoss
+    from torchtitan.components.optimizer import default_adamw
+    from torchtitan.config import CompileConfig, TrainingConfig
+
+    cfg, parallelize = _model_config(case.model, case.n_layers)
+    training = TrainingConfig(local_batch_size=BATCH, seq_len=SEQ)
+    ac_config = None
+    if case.ac == "selective":
+        from torchtitan.distributed.activation_checkpoint import SelectiveAC
+
+        ac_config = SelectiveAC.Config()
+    elif case.ac == "full":
+        from torchtitan.distributed.activation_checkpoint import FullAC
+
+        ac_config = FullAC.Config()
+    with torch.device("meta"):
+        m = cfg.build()
+    m = parallelize(m, parallel_dims=dims, training=training, parallelism=parallelism,
+                    compile_config=CompileConfig(), ac_config=ac_config, dump_folder=dump_folder)
+    for module in m.modules():
+        if isinstance(module, FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)
+    m.to_empty(device="cpu")
+    m.train()
+    loss_cfg = CrossEntropyLoss.Config(global_vocab_size=VOCAB)
+    if case.loss == "chunked":
+        from torchtitan.components.loss import ChunkedLossWrapper
+
+        loss_cfg = ChunkedLossWrapper.Config(loss_fn=loss_cfg)
+    loss_fn = loss_cfg.build(compile_config=CompileConfig())
+    if case.loss == "chunked":  # as Trainer.__init__ does
+        loss_fn.set_lm_head(m.lm_head)
+        m._skip_lm_head = True
+    return m, loss_fn, default_adamw(lr=8e-4), training
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _copy_state(src, dst):
+    with torch.no_grad():
+        for a, b in zip(src.parameters(), dst.parameters(), strict=True):
+            _local(b).copy_(_local(a))
+        for a, b in zip(src.buffers(), dst.buffers(), strict=True):
+            _local(b).copy_(_local(a))
+
+
+def max_diff(xs, ys) -> float:
+    d = 0.0
+    for x, y in zip(xs, ys, strict=True):
+        if x is None or y is None:
+            if (x is None) != (y is None):
+                return float("inf")
+            continue
+        x, y = _local(x), _local(y)
+        if x.is_complex():  # RoPE caches
+            x, y = torch.view_as_real(x), torch.view_as_real(y)
+        if x.numel():
+            d = max(d, (x.double() - y.double()).abs().max().item())
+    return d
+
+
+def _flat(model) -> torch.Tensor:
+    return torch.cat([_local(p).detach().double().flatten() for p in model.parameters()])
+
+
+def run_case(case: TitanCase, rank: int, world_size: int, dims, parallelism, tmp: str) -> dict:
+    import torchtitan.distributed.utils as dist_utils
+    from torchtitan.components.loss import IGNORE_INDEX
+
+    import fsdp_compile as fc
+
+    dist_utils.set_spmd_backend(parallelism.spmd_backend)
+    eager, loss_eager, opt_cfg, training = build(case, dims, parallelism, tmp)
+    comp, loss_comp, _, _ = build(case, dims, parallelism, tmp)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        eager.init_weights(buffer_device=None)
+    _copy_state(eager, comp)
+    p0 = _flat(eager)
+    kwargs = {} if case.regions is None else {"regions": case.regions}
+    compiled = fc.compile(comp, backend=case.backend, **kwargs)
+
+    runs = []
+    for model, forward, loss_fn in ((eager, eager, loss_eager), (comp, compiled, loss_comp)):
+        opts = opt_cfg.build(model_parts=[model])
+        if case.model == "deepseek_v3":  # the model spec's post_optimizer_build_fn
+            from torchtitan.components.optimizer import register_moe_load_balancing_hook
+
+            register_moe_load_balancing_hook(opts, [model], dims)
+        runs.append((model, forward, opts, loss_fn))
+
+    out = {k: [] for k in ("loss_eager", "loss_compiled", "norm_eager", "norm_compiled", "grad_diff", "grad_scale",
+                           "counter_diff", "param_diff", "buffer_diff", "update_cos")}
+    batch_mesh = dims.get_mesh("batch")
+    for step in range(case.steps):
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+        labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+        labels[0, :3] = IGNORE_INDEX  # a few ignored labels: the global valid-token count is not B * L * W
+        grads, counters = [], []
+        for (model, forward, opts, loss_fn), kind in zip(runs, ("eager", "compiled")):
+            # Trainer.train_step, without gradient accumulation, pipeline or context parallelism
+            opts.zero_grad(set_to_none=training.disable_cuda_graphs)  # False: gradients zeroed in place
+            global_valid_tokens = dist_utils.dist_sum_tensor((labels != IGNORE_INDEX).sum(), batch_mesh)
+            pred = forward(tokens)
+            loss, _ = loss_fn(pred, labels, global_valid_tokens)
+            loss.backward()
+            grads.append([None if p.grad is None else _local(p.grad).clone() for p in model.parameters()])
+            # the MoE counters, before torchtitan's pre-step hook all-reduces and zeroes them
+            counters.append({n: _local(b).clone() for n, b in model.named_buffers()})
+            norm = dist_utils.clip_grad_norm_(list(model.parameters()), training.max_norm, foreach=True,
+                                              pp_mesh=None, ep_enabled=dims.ep_enabled)
+            opts.step()
+            out[f"loss_{kind}"].append(loss.item())
+            out[f"norm_{kind}"].append(norm.item())
+        out["grad_diff"].append(max_diff(*grads))
+        out["grad_scale"].append(max(g.abs().max().item() for g in grads[0] if g is not None and g.numel()))
+        out["counter_diff"].append(max_diff(list(counters[0].values()), list(counters[1].values())))
+        if step == 0:
+            out["tokens_per_expert"] = {
+                kind: {n: c.tolist() for n, c in cs.items() if n.endswith("tokens_per_expert_E")}
+                for kind, cs in zip(("eager", "compiled"), counters)
+            }
+        out["param_diff"].append(max_diff(list(eager.parameters()), list(comp.parameters())))
+        out["buffer_diff"].append(max_diff(list(eager.buffers()), list(comp.buffers())))
+        # how far each model moved from the common initial weights, and in which direction
+        de, dc = _flat(eager) - p0, _flat(comp) - p0
+        out["update_cos"].append((de @ dc / (de.norm() * dc.norm())).item())
+    out["expert_bias"] = sum(float(b.abs().sum()) for n, b in comp.named_buffers() if n.endswith("expert_bias_E"))
+    out["dynamo_graphs"] = len(compiled.captured.dynamo)
+    out["regions"] = compiled.regions()
+    out["param_dtype"] = str(eager.layers["0"]._get_fsdp_state()._fsdp_param_group.mp_policy.param_dtype)
+    return out
+
+
+def titan_worker(rank: int, world_size: int, cases: list[TitanCase]) -> dict:
+    import tempfile
+
+    from torch._dynamo.utils import counters
+
+    _on_cpu()
+    dims, parallelism = _parallel_dims(world_size)
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for case in cases:
+            before = sum(counters["graph_break"].values())
+            try:
+                results[case.name] = run_case(case, rank, world_size, dims, parallelism, tmp)
+            except Exception:  # noqa: BLE001 - a case that fails on every rank alike reports, the others run
+                import traceback
+
+                results[case.name] = {"error": traceback.format_exc()}
+            results[case.name]["graph_breaks"] = sum(counters["graph_break"].values()) - before
+    return results
