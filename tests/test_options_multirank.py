@@ -80,7 +80,7 @@ def test_accumulation_without_sync(mp):
 def mixed_sync_worker(rank, world_size):
     """Gradient sync off for one block of an auto bucket (the user's setter, the bucket our choice): the
     step is re-planned with buckets split along it (also for the step that syncs what it accumulated), and
-    trains like eager."""
+    trains like eager; the same for reshard_after_forward set on that block alone."""
     import fsdp_compile as fc
 
     case = Case(n_layers=3)
@@ -102,6 +102,12 @@ def mixed_sync_worker(rank, world_size):
             opt.step()
             opt.zero_grad()
         out["param_diff"].append(max_diff(list(eager.parameters()), list(model.parameters())))
+    for m in (eager, model):  # then reshard_after_forward differs inside the bucket: re-planned too
+        m.layers[1].set_requires_gradient_sync(True, recurse=False)
+        m.layers[1].set_reshard_after_forward(False, recurse=False)
+    out["losses"].append((_micro(case, eager, 9, rank), _micro(case, compiled, 9, rank)))
+    out["units"].append([list(u.members) for u in compiled.schedule.units])
+    out["grad_diff"].append(max_diff([p.grad for p in eager.parameters()], [p.grad for p in model.parameters()]))
     return out
 
 
@@ -109,9 +115,10 @@ def test_auto_buckets_follow_gradient_sync():
     for rank, r in enumerate(run_ranks(mixed_sync_worker, 2, timeout=600)):
         assert all(le == lc for le, lc in r["losses"]), (rank, r["losses"])
         assert max(r["grad_diff"]) == 0.0 and max(r["param_diff"]) == 0.0, (rank, r)
-        merged, split = r["units"][0], r["units"][1]  # all in sync; layers.1 without
+        merged = r["units"][0]  # all alike
         assert ["layers.0", "layers.1"] in merged, merged
-        assert ["layers.1"] in split and not any(len(u) > 1 and "layers.1" in u for u in split), split
+        for split in (r["units"][1], r["units"][-1]):  # layers.1 without sync; then with another reshard
+            assert ["layers.1"] in split and not any(len(u) > 1 and "layers.1" in u for u in split), split
 
 
 def settings_worker(rank, world_size):
