@@ -59,7 +59,7 @@ def check_same(what: str, items: list[tuple[str, object]], group, device: torch.
         if theirs == mine:
             continue
         diff = next(
-            ((a[0], a[1], b[1]) for a, b in zip(mine, theirs) if a != b),
+            (_first_difference(a[0], a[1], b[1]) for a, b in zip(mine, theirs) if a != b),
             ("number of entries", len(mine), len(theirs)),
         )
         label, a, b = diff
@@ -73,6 +73,19 @@ def check_same(what: str, items: list[tuple[str, object]], group, device: torch.
     raise ValueError(
         f"rank {dist.get_global_rank(group, 0)} and rank {dist.get_global_rank(group, other)} disagree on {what}; {fix}"
     )
+
+
+def _first_difference(label: str, a, b) -> tuple[str, object, object]:
+    """Down to the first field that differs: ``("FSDP group 'x': params[2].shape", a, b)``."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in list(a) + [k for k in b if k not in a]:
+            if a.get(key) != b.get(key):
+                return _first_difference(f"{label}: {key}" if ":" not in label else f"{label}.{key}", a.get(key), b.get(key))
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        for i, (x, y) in enumerate(zip(a, b)):
+            if x != y:
+                return _first_difference(f"{label}[{i}]", x, y)
+    return label, a, b
 
 
 def agree_max(value: int, groups, device: torch.device) -> int:

@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_flatten
 
 import torch.distributed as dist
 
-from fsdp_compile import capture
+from fsdp_compile import _fsdp2, capture
 from fsdp_compile._agree import agree_max
 from fsdp_compile.backend import CapturedGraphs, make_backend
 from fsdp_compile.config import CompileConfig
@@ -91,6 +91,7 @@ class CompiledFSDPModule(nn.Module):
         self.schedule: Schedule | None = None  # planned at the first call (it needs the agreed workload)
         self._codegen = codegen
         self._groups = param_groups(model)  # [(fqn, FSDP state, param group)]: FSDP2's runtime settings
+        self._settings: tuple = ()  # ((fqn, _fsdp2.Settings), ...) as read at the current call
         self._steps: dict[tuple, _Step] = {}  # per plan: FSDP2's settings other than gradient sync
         self._sinks: dict[str, torch.Tensor] = {}  # parameter FQN -> accumulation sink (no-sync micro-batches)
         self._meta = any(p.is_meta for p in model.parameters())  # explain's full-scale capture without memory
@@ -117,30 +118,30 @@ class CompiledFSDPModule(nn.Module):
     def _current_step(self, args, kwargs) -> _Step:
         """The compiled step for FSDP2's current settings and parameters (a change takes effect here)."""
         for fqn, _, pg in self._groups:
-            if pg._all_gather_result is not None:
+            if _fsdp2.all_gather_in_flight(pg):
                 raise ValueError(
                     f"FSDP module {fqn or '<root>'!r} has an all-gather in flight (model.unshard(async_op=True)): "
                     "wait on its UnshardHandle and call model.reshard() before calling the compiled model, which "
                     "gathers the parameters itself"
                 )
-            if not pg.is_sharded:
+            if not _fsdp2.is_sharded(pg):
                 # left unsharded by an eager forward (the root, reshard_after_forward=False) or by unshard():
                 # the compiled step reads the shards, which those copies came from; FSDP2's reshard() frees
                 # them and puts the sharded parameters back on the modules (local, no collective)
-                pg.reshard()
-        key = settings_key(self._groups)
+                _fsdp2.reshard(pg)
+        key = self._settings = settings_key(self._groups)
         # gradient sync is a mode of a step, not another plan, while it is alike for every module: with
         # bucket="auto", modules with and without sync must not share a unit (one reduce-scatter), so a mix
         # is planned anew, with buckets that split along it (an explicit plan is the user's: _gradient_sync).
         # Modules that still hold gradients accumulated without sync count as without: the step that syncs
         # them keeps the split, so each unit's accumulated gradients are all there or all absent.
         without_sync = frozenset(
-            fqn for fqn, _, pg in self._groups
-            if not pg.reduce_grads or any(self._sinks[p.fqn].grad is not None
-                                          for p in self.plan.group(fqn).params if p.fqn in self._sinks)
+            fqn for fqn, settings in key
+            if not settings.requires_gradient_sync or any(self._sinks[p.fqn].grad is not None
+                                                          for p in self.plan.group(fqn).params if p.fqn in self._sinks)
         )
         mixed = self.config.bucket == "auto" and 0 < len(without_sync) < len(self._groups)
-        plan_key = (tuple(k[:1] + k[3:] for k in key), without_sync if mixed else None)
+        plan_key = (tuple((fqn, settings.without_sync_flags()) for fqn, settings in key), without_sync if mixed else None)
         step = self._steps.get(plan_key)
         if step is None:
             if self._steps:  # a setting changed since the last plan: read it again (refuses what we cannot do)
@@ -149,8 +150,7 @@ class CompiledFSDPModule(nn.Module):
         elif not step.current():
             # parameters replaced (load_state_dict(assign=True), to_empty, ...): FSDP2's own references too
             for _, _, pg in self._groups:
-                for fp in pg.fsdp_params:
-                    fp.reset_sharded_param()
+                _fsdp2.reset_sharded_params(pg)
             plan = read_plan(self._orig_mod)
             if plan.fingerprint() != self.plan.fingerprint():
                 raise ValueError(
@@ -165,7 +165,7 @@ class CompiledFSDPModule(nn.Module):
         """Per unit: sinks for the unsharded gradients (FSDP2's set_requires_gradient_sync(False): no
         reduce-scatter, gradients accumulated unsharded) or, when it syncs, the gradients accumulated so
         far (consumed by this step's reduce-scatter, so forgotten here)."""
-        reduce_grads = {fqn: pg.reduce_grads for fqn, _, pg in self._groups}
+        reduce_grads = {fqn: settings.requires_gradient_sync for fqn, settings in self._settings}
         sinks, accumulated = [], []
         for unit, params, plans in zip(step.schedule.units, step.params, step.param_plans):
             flags = {reduce_grads[f] for f in unit.members}
@@ -208,7 +208,8 @@ class CompiledFSDPModule(nn.Module):
         cfg = self.config
         modules = modules_of(self.plan)
         if without_sync:  # modules with equal keys may share a unit: with and without sync may not
-            modules = [dataclasses.replace(m, key=(*m.key, m.fqn in without_sync)) for m in modules]
+            modules = [dataclasses.replace(m, key=m.key._replace(requires_gradient_sync=m.fqn not in without_sync))
+                       for m in modules]
         schedule = plan_schedule(
             modules, policy=cfg.bucket if isinstance(cfg.bucket, str) else [list(b) for b in cfg.bucket],
             reorder=cfg.reorder, cost_model=self.cost_model, workload=workload,
@@ -284,8 +285,11 @@ def _named_collective_failures():
 
 
 def _make_step(model, plan, schedule, kernels):
+    # each unit's op arguments, encoded once, outside the trace (a constant string in the graph)
+    unshard_arguments = [capture.unshard_args(plan, u, i, kernels).encode() for i, u in enumerate(schedule.units)]
+
     def step(shards, sinks, accumulated, *args, **kwargs):
-        return capture.traced_forward(model, plan, schedule, kernels, shards, sinks, accumulated, args, kwargs)
+        return capture.traced_forward(model, plan, schedule, unshard_arguments, shards, sinks, accumulated, args, kwargs)
 
     return step
 

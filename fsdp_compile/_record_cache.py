@@ -36,7 +36,9 @@ def graph_key(gm: torch.fx.GraphModule, example_inputs, passes_key: str) -> str:
         if isinstance(t, torch.Tensor) else repr(t)
         for t in example_inputs
     ]
-    text = repr((gm.print_readable(print_output=False), inputs, passes_key, torch.__version__))
+    # the graph's code without comments: they hold stack traces and per-process counters (region call ids)
+    code = [line for line in gm.print_readable(print_output=False).splitlines() if not line.lstrip().startswith("#")]
+    text = repr((code, inputs, passes_key, torch.__version__))
     return hashlib.sha256(text.encode()).hexdigest()
 
 

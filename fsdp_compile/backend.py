@@ -126,8 +126,8 @@ def make_backend(
 ) -> Callable:
     """``codegen=False`` (``explain``) stops after our passes: the graphs are what the configured backend
     would receive (Inductor's decompositions included), but nothing is generated."""
-    reshard = {  # per FSDP group: True / False, or an int's post-forward group (name, size, this rank's index)
-        g.fqn: (g.post_forward_group_name, g.post_forward_size, g.post_forward_rank) if g.post_forward_size
+    reshard = {  # per FSDP group: True / False, or an int's post-forward group (name, size)
+        g.fqn: (g.post_forward_group_name, g.post_forward_size) if g.post_forward_size
         else g.reshard_after_forward
         for g in plan.groups
     }

@@ -19,17 +19,14 @@ model with the full tensors. The passes then move each unshard to just before it
 
 from __future__ import annotations
 
-import functools
 import logging
 import sys
 import types
 
 import torch
 import torch.nn as nn
-from torch.distributed.fsdp._fully_shard._fsdp_common import _cast_fp_tensor
-from torch.distributed.utils import _apply_to_tensors
 
-from fsdp_compile import _invoke_subgraph
+from fsdp_compile import _fsdp2, _invoke_subgraph
 from fsdp_compile.ops import Comm, Reduction, UnshardArgs
 from fsdp_compile.passes.schedule import Schedule, Unit
 from fsdp_compile.plan import ParamPlan, ShardingPlan, fsdp_states
@@ -122,32 +119,29 @@ def install_logging(model: nn.Module) -> int:
     return len(_LOGGERS)
 
 
-def _cast(dtype, tree):
-    return _apply_to_tensors(functools.partial(_cast_fp_tensor, dtype), tree)
-
-
 def _make_pre_hook(state, fsdp_hook):
-    policy = state._mp_policy
-    cast_dtype = policy.param_dtype if policy.cast_forward_inputs else None
+    policy = _fsdp2.mp_policy(state)
+    cast = _fsdp2.floating_cast(policy.param_dtype) if policy.cast_forward_inputs and policy.param_dtype else None
 
     def fsdp_compile_pre_forward(module, args, kwargs):
         if not _ACTIVE:
             return fsdp_hook(module, args, kwargs)
-        if cast_dtype is None:
+        if cast is None:
             return args, kwargs
-        return _cast(cast_dtype, args), _cast(cast_dtype, kwargs)
+        return cast(args), cast(kwargs)
 
     fsdp_compile_pre_forward.fsdp_hook = fsdp_hook
     return fsdp_compile_pre_forward
 
 
 def _make_post_hook(state, fsdp_hook):
-    output_dtype = state._mp_policy.output_dtype
+    output_dtype = _fsdp2.mp_policy(state).output_dtype
+    cast = _fsdp2.floating_cast(output_dtype) if output_dtype is not None else None
 
     def fsdp_compile_post_forward(module, input, output):
         if not _ACTIVE:
             return fsdp_hook(module, input, output)
-        return output if output_dtype is None else _cast(output_dtype, output)
+        return output if cast is None else cast(output)
 
     fsdp_compile_post_forward.fsdp_hook = fsdp_hook
     return fsdp_compile_post_forward
@@ -169,10 +163,11 @@ def install_hooks(model: nn.Module) -> None:
     """Swap FSDP2's forward hooks for dispatchers (idempotent; eager behaviour is unchanged). A group of
     several modules (``fully_shard([m1, m2])``) has FSDP2's hooks, wrapped, on each of them."""
     for fqn, _, state in fsdp_states(model):
-        for module in state._modules:
+        pre, post = _fsdp2.forward_hooks(state)
+        for module in _fsdp2.modules(state):
             for hooks, fsdp_fn, make in (
-                (module._forward_pre_hooks, state._pre_forward, _make_pre_hook),
-                (module._forward_hooks, state._post_forward, _make_post_hook),
+                (module._forward_pre_hooks, pre, _make_pre_hook),
+                (module._forward_hooks, post, _make_post_hook),
             ):
                 found = False
                 for hook_id, hook in list(hooks.items()):
@@ -186,18 +181,17 @@ def install_hooks(model: nn.Module) -> None:
 
 
 def traced_forward(
-    model: nn.Module, plan: ShardingPlan, schedule: Schedule, kernels: str, shards: list[list[torch.Tensor]],
-    sinks: list[list], accumulated: list[list], args, kwargs
+    model: nn.Module, plan: ShardingPlan, schedule: Schedule, unshard_arguments: list[str],
+    shards: list[list[torch.Tensor]], sinks: list[list], accumulated: list[list], args, kwargs
 ):
     """The function Dynamo captures: one ``fsdp_compile::unshard`` per unit of the schedule (``shards[i]``:
-    the local shards of ``unit_params(plan, schedule.units[i])``; ``sinks[i]`` / ``accumulated[i]``: gradient
-    accumulation without sync, see the op), then the model on the full parameters."""
+    the local shards of ``unit_params(plan, schedule.units[i])``; ``unshard_arguments[i]``: its encoded
+    ``UnshardArgs``, made before tracing; ``sinks[i]`` / ``accumulated[i]``: gradient accumulation without
+    sync, see the op), then the model on the full parameters."""
     full = {}
     for i, (unit, unit_shards) in enumerate(zip(schedule.units, shards)):
         params = unit_params(plan, unit)
-        gathered = torch.ops.fsdp_compile.unshard(
-            unit_shards, sinks[i], accumulated[i], *unshard_args(plan, unit, i, kernels).schema()
-        )
+        gathered = torch.ops.fsdp_compile.unshard(unit_shards, sinks[i], accumulated[i], unshard_arguments[i])
         full.update({p.fqn: t for p, t in zip(params, gathered)})
     return torch.func.functional_call(model, full, args, kwargs, tie_weights=True, strict=False)
 
@@ -213,7 +207,7 @@ def unshard_args(plan: ShardingPlan, unit: Unit, index: int, kernels: str) -> Un
     their parameters: ``GroupPlan.bucket_key``)."""
     group = plan.group(unit.members[0])
     return UnshardArgs(
-        comm=Comm(unit.members, index, group.group_name, group.world_size, group.rank, kernels),
+        comm=Comm(unit.members, index, group.group_name, group.world_size, kernels),
         dim0s=tuple(p.full_shape[0] for p in unit_params(plan, unit)),
         param_dtype=group.param_dtype,
         reduction=Reduction(group.reduce_dtype, group.reduce_op, group.pre_factor, group.post_factor,

@@ -28,6 +28,8 @@ shard shapes, so graphs of evenly sharded models are identical on every rank.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 from collections.abc import Sequence
 from typing import Optional
 
@@ -35,12 +37,17 @@ import torch
 from torch import Tensor
 
 from fsdp_compile._annotations import REDUCE_SCATTER, UNSHARD, annotate
-from fsdp_compile._layout import inner_numel, padded_rows
+from fsdp_compile._layout import inner_numel, padded_rows, rank_rows
 
 _c10d = torch.ops._c10d_functional
 
 
-# --- the ops' arguments: one typed record each, converted to and from the op schema here only ----------
+# --- the ops' arguments: one typed record each, one string argument in the op schema -----------------
+#
+# Each op takes its tensors and one ``str``: its record, encoded with named fields (``encode``/``decode``,
+# here only). A string is a constant of the graph, hashable and picklable, so the caches key on it, and
+# no rank is in it: the graphs (and their cache entries) of evenly sharded models are the same on every
+# rank, and one rank's saved artifacts serve the others.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +58,6 @@ class Comm:
     unit: int  # its unit in the schedule (``passes.schedule``): how the passes find it in every graph
     group_name: str  # the c10d process group the functional collective runs on
     world_size: int
-    rank: int  # read only by the Triton copy kernels (the torch copies take it from the shard shapes)
     kernels: str  # "torch" (copies traced as torch ops) | "triton" (fsdp_compile.kernels, one launch each)
 
 
@@ -67,53 +73,88 @@ class Reduction:
     all_reduce_op: str = "avg"  # HSDP: "avg" | "sum"
 
 
-def _to_schema(comm: Comm, sizes: tuple[int, ...], dtype: torch.dtype | None, reduction: Reduction) -> tuple:
-    """Both ops' arguments after their tensor list, in schema order: one list of sizes, the ``Comm``, one
-    dtype, the ``Reduction``. The records below keep their fields in that order."""
-    # FQNs never hold a comma, and a schema has no list of strings: the members travel joined
-    return (list(sizes), ",".join(comm.fsdp_groups), comm.unit, comm.group_name, comm.world_size, comm.rank,
-            comm.kernels, dtype, reduction.dtype, reduction.op, reduction.pre_factor, reduction.post_factor,
-            reduction.all_reduce_group or "", reduction.all_reduce_op)
+def _dtype_name(dtype: torch.dtype | None) -> str | None:
+    return None if dtype is None else str(dtype).removeprefix("torch.")
 
 
-def _from_schema(sizes, fsdp_groups, unit, group_name, world_size, rank, kernels, dtype, reduce_dtype, reduce_op,
-                 pre_factor, post_factor, all_reduce_group, all_reduce_op) -> tuple:
-    return (Comm(tuple(fsdp_groups.split(",")), unit, group_name, world_size, rank, kernels), tuple(sizes), dtype,
-            Reduction(reduce_dtype, reduce_op, pre_factor, post_factor, all_reduce_group or None, all_reduce_op))
+def _dtype(name: str | None) -> torch.dtype | None:
+    return None if name is None else getattr(torch, name)
+
+
+class _Record:
+    """``encode()`` to the op's string argument, ``decode(text)`` back (cached: the fake and eager
+    implementations decode at every call)."""
+
+    def encode(self) -> str:
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        for name, value in fields.items():
+            if isinstance(value, tuple):  # sizes: a shard's rows under dynamic shapes specialize (parameters do not change shape)
+                fields[name] = [int(v) for v in value]
+        fields["comm"] = dataclasses.asdict(self.comm)
+        fields["reduction"] = {**dataclasses.asdict(self.reduction), "dtype": _dtype_name(self.reduction.dtype)}
+        for name in self._dtypes:
+            fields[name] = _dtype_name(fields[name])
+        return json.dumps(fields, sort_keys=True, separators=(",", ":"))
+
+    def schema(self) -> tuple:
+        """The op's arguments after its tensor lists."""
+        return (self.encode(),)
+
+    @classmethod
+    def decode(cls, text: str):
+        return _decode(cls, text)
+
+
+@functools.lru_cache(maxsize=4096)
+def _decode(cls, text: str):
+    fields = json.loads(text)
+    comm = fields.pop("comm")
+    reduction = fields.pop("reduction")
+    for name in cls._dtypes:
+        fields[name] = _dtype(fields[name])
+    for name, value in fields.items():
+        if isinstance(value, list):
+            fields[name] = tuple(value)
+    return cls(
+        comm=Comm(**{**comm, "fsdp_groups": tuple(comm["fsdp_groups"])}),
+        reduction=Reduction(**{**reduction, "dtype": _dtype(reduction["dtype"])}),
+        **fields,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
-class UnshardArgs:
+class UnshardArgs(_Record):
     """Everything ``fsdp_compile::unshard`` takes besides the local shards."""
+
+    _dtypes = ("param_dtype",)
 
     comm: Comm
     dim0s: tuple[int, ...]  # each parameter's unsharded dim-0 size (the rest of its shape: the shard's)
     param_dtype: torch.dtype | None  # all-gather and compute dtype; None: the parameter's own
     reduction: Reduction  # parametrizes the backward (reduce_scatter_grads)
 
-    def schema(self) -> tuple:
-        return _to_schema(self.comm, self.dim0s, self.param_dtype, self.reduction)
-
-    @classmethod
-    def from_schema(cls, *schema) -> UnshardArgs:
-        return cls(*_from_schema(*schema))
-
 
 @dataclasses.dataclass(frozen=True)
-class ReduceScatterArgs:
+class ReduceScatterArgs(_Record):
     """Everything ``fsdp_compile::reduce_scatter_grads`` takes besides the full-size gradients."""
+
+    _dtypes = ("orig_dtype",)
 
     comm: Comm
     local_rows: tuple[int, ...]  # this rank's unpadded rows of each parameter (0 past the end)
     orig_dtype: torch.dtype  # the sharded parameter's dtype: the shard gradients come back in it
     reduction: Reduction  # reduction.dtype is resolved (never None here)
 
-    def schema(self) -> tuple:
-        return _to_schema(self.comm, self.local_rows, self.orig_dtype, self.reduction)
 
-    @classmethod
-    def from_schema(cls, *schema) -> ReduceScatterArgs:
-        return cls(*_from_schema(*schema))
+def _rank_of_rows(dim0s: Sequence[int], local_rows: Sequence[int], world_size: int) -> int:
+    """The first rank whose dim-0 shards have ``local_rows`` rows: what the Triton copy kernels take as
+    their rank, read off the shard shapes instead of the process. Evenly sharded, every rank has the same
+    rows and this is 0 on all of them, so the rank stays out of the graph; unevenly sharded, the shapes
+    (which are in the graph anyway) tell ranks apart only where their rows differ."""
+    for r in range(world_size):
+        if all(rank_rows(d, world_size, r) == n for d, n in zip(dim0s, local_rows)):
+            return r
+    raise ValueError(f"no rank of {world_size} holds {list(local_rows)} rows of dim-0 sizes {list(dim0s)}")
 
 
 # --- the decompositions: what the compiled graphs hold ------------------------------------------------
@@ -153,7 +194,8 @@ def unshard_impl(shards: list[Tensor], args: UnshardArgs) -> list[Tensor]:
             from fsdp_compile import kernels as K
 
             full_shapes = [(d, *s.shape[1:]) for s, d in zip(shards, args.dim0s)]
-            flat = K.all_gather_copy_in(shards, full_shapes, c.world_size, c.rank, dtype=args.param_dtype, impl="triton")
+            rank = _rank_of_rows(args.dim0s, [s.shape[0] for s in shards], c.world_size)
+            flat = K.all_gather_copy_in(shards, full_shapes, c.world_size, rank, dtype=args.param_dtype, impl="triton")
             gathered = _c10d.wait_tensor(_c10d.all_gather_into_tensor(flat, c.world_size, c.group_name))
             return K.all_gather_copy_out(gathered, full_shapes, c.world_size, impl="triton")
         # torch ops, traced into the graph: Inductor fuses them with their neighbours
@@ -187,7 +229,8 @@ def reduce_scatter_grads_impl(grads: list[Tensor], args: ReduceScatterArgs) -> l
             reduced = reduced / r.post_factor
         if c.kernels == "triton":
             full_shapes = [tuple(g.shape) for g in grads]
-            return K.reduce_scatter_copy_out(reduced, full_shapes, c.world_size, c.rank, dtype=args.orig_dtype, impl="triton")
+            rank = _rank_of_rows([g.shape[0] for g in grads], args.local_rows, c.world_size)
+            return K.reduce_scatter_copy_out(reduced, full_shapes, c.world_size, rank, dtype=args.orig_dtype, impl="triton")
         return _unpack_grads(reduced, grads, args.local_rows, c.world_size, args.orig_dtype)
 
 
@@ -225,72 +268,66 @@ def _unpack_grads(reduced: Tensor, grads, local_rows, world_size: int, dtype: to
 
 
 @torch.library.custom_op("fsdp_compile::unshard", mutates_args=())
-def unshard(
-    shards: list[Tensor], sinks: list[Optional[Tensor]], accumulated: list[Optional[Tensor]], dim0s: list[int],
-    fsdp_groups: str, unit: int, group_name: str, world_size: int, rank: int, kernels: str,
-    param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None, reduce_op: str, pre_factor: float | None,
-    post_factor: float | None, all_reduce_group: str, all_reduce_op: str,
-) -> list[Tensor]:
-    """All-gather one unit's dim-0 shards into full parameters (see the module docstring). The arguments
-    after ``accumulated`` are ``UnshardArgs.schema()``; the reduce-side ones parametrize the backward.
+def unshard(shards: list[Tensor], sinks: list[Optional[Tensor]], accumulated: list[Optional[Tensor]], args: str) -> list[Tensor]:
+    """All-gather one unit's dim-0 shards into full parameters (see the module docstring). ``args`` is
+    ``UnshardArgs.encode()``; its reduce-side fields parametrize the backward.
 
     Gradient accumulation without sync (FSDP2's ``set_requires_gradient_sync(False)``): ``sinks`` (one per
     parameter, empty otherwise) are leaves that own no memory; the backward then hands them the unsharded
     gradients instead of reduce-scattering, and autograd accumulates them into ``sink.grad`` in the sink's
     dtype (the reduce dtype), as FSDP2 keeps its unsharded gradients. The step that syncs passes those as
     ``accumulated``: its backward adds them to its own before the reduce-scatter, as FSDP2 does."""
-    args = UnshardArgs.from_schema(dim0s, fsdp_groups, unit, group_name, world_size, rank, kernels, param_dtype,
-                                   reduce_dtype, reduce_op, pre_factor, post_factor, all_reduce_group, all_reduce_op)
-    return [t.clone() for t in unshard_impl(shards, args)]
+    return [t.clone() for t in unshard_impl(shards, UnshardArgs.decode(args))]
 
 
 @unshard.register_fake
-def _(shards, sinks, accumulated, dim0s, fsdp_groups, unit, group_name, world_size, rank, kernels, param_dtype, *reduction):
-    return [s.new_empty((d, *s.shape[1:]), dtype=param_dtype or s.dtype) for s, d in zip(shards, dim0s)]
+def _(shards, sinks, accumulated, args):
+    a = UnshardArgs.decode(args)
+    return [s.new_empty((d, *s.shape[1:]), dtype=a.param_dtype or s.dtype) for s, d in zip(shards, a.dim0s)]
 
 
 @torch.library.custom_op("fsdp_compile::reduce_scatter_grads", mutates_args=())
-def reduce_scatter_grads(
-    grads: list[Tensor], local_rows: list[int], fsdp_groups: str, unit: int, group_name: str, world_size: int,
-    rank: int, kernels: str, orig_dtype: torch.dtype, reduce_dtype: torch.dtype, reduce_op: str,
-    pre_factor: float | None, post_factor: float | None, all_reduce_group: str, all_reduce_op: str,
-) -> list[Tensor]:
+def reduce_scatter_grads(grads: list[Tensor], args: str) -> list[Tensor]:
     """Reduce-scatter full-parameter gradients into this rank's shard gradients (FSDP2's post-backward).
-    The arguments after ``grads`` are ``ReduceScatterArgs.schema()``."""
-    args = ReduceScatterArgs.from_schema(local_rows, fsdp_groups, unit, group_name, world_size, rank, kernels,
-                                         orig_dtype, reduce_dtype, reduce_op, pre_factor, post_factor,
-                                         all_reduce_group, all_reduce_op)
-    return [t.clone() for t in reduce_scatter_grads_impl(grads, args)]
+    ``args`` is ``ReduceScatterArgs.encode()``."""
+    return [t.clone() for t in reduce_scatter_grads_impl(grads, ReduceScatterArgs.decode(args))]
 
 
 @reduce_scatter_grads.register_fake
-def _(grads, local_rows, fsdp_groups, unit, group_name, world_size, rank, kernels, orig_dtype, *reduction):
-    return [g.new_empty((rows, *g.shape[1:]), dtype=orig_dtype) for g, rows in zip(grads, local_rows)]
+def _(grads, args):
+    a = ReduceScatterArgs.decode(args)
+    return [g.new_empty((rows, *g.shape[1:]), dtype=a.orig_dtype) for g, rows in zip(grads, a.local_rows)]
 
 
 @torch.library.custom_op("fsdp_compile::post_forward_shard", mutates_args=())
-def post_forward_shard(gathered: Tensor, size: int, index: int) -> Tensor:
-    """An int ``reshard_after_forward``'s post-forward shard (``passes/recompute.py``): chunk ``index`` of
-    ``size`` of a gathered buffer, in memory of its own. An op, not ``clone`` of a view: Inductor removes
-    such a clone as a no-op, and the saved view would keep the whole buffer alive."""
-    return gathered.view(size, -1)[index].clone()
+def post_forward_shard(gathered: Tensor, group_name: str) -> Tensor:
+    """An int ``reshard_after_forward``'s post-forward shard (``passes/recompute.py``): this rank's chunk
+    of a gathered buffer split over the post-forward process group ``group_name``, in memory of its own.
+    The rank is read when the op runs, so it is not in the graph. An op, not ``clone`` of a view: Inductor
+    removes such a clone as a no-op, and the saved view would keep the whole buffer alive."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    group = _resolve_process_group(group_name)
+    return gathered.view(group.size(), -1)[group.rank()].clone()
 
 
 @post_forward_shard.register_fake
-def _(gathered, size, index):
-    return gathered.new_empty(gathered.numel() // size)
+def _(gathered, group_name):
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return gathered.new_empty(gathered.numel() // _resolve_process_group(group_name).size())
 
 
 def _unshard_setup_context(ctx, inputs, output) -> None:
-    shards, sinks, accumulated, *schema = inputs
-    ctx.args = UnshardArgs.from_schema(*schema)
+    shards, sinks, accumulated, args = inputs
+    ctx.args = UnshardArgs.decode(args)
     ctx.local_rows = [s.shape[0] for s in shards]
     ctx.orig_dtypes = [s.dtype for s in shards]
     ctx.trainable = [s.requires_grad for s in shards]
     ctx.no_sync = any(t is not None for t in sinks)
     ctx.accumulated_at = [i for i, a in enumerate(accumulated) if a is not None]
     ctx.save_for_backward(*[a for a in accumulated if a is not None])
-    ctx.n_schema = len(schema)
+    ctx.n_schema = 1  # the encoded args
     ctx.n_sinks, ctx.n_accumulated = len(sinks), len(accumulated)  # each [] or one per shard
 
 
@@ -323,9 +360,9 @@ unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup_contex
 # AOTAutograd decomposes our ops into the functional collectives above (see backend.py).
 DECOMPOSITIONS = {
     torch.ops.fsdp_compile.unshard.default: (
-        lambda shards, sinks, accumulated, *schema: unshard_impl(shards, UnshardArgs.from_schema(*schema))
+        lambda shards, sinks, accumulated, args: unshard_impl(shards, UnshardArgs.decode(args))
     ),
     torch.ops.fsdp_compile.reduce_scatter_grads.default: (
-        lambda grads, *schema: reduce_scatter_grads_impl(grads, ReduceScatterArgs.from_schema(*schema))
+        lambda grads, args: reduce_scatter_grads_impl(grads, ReduceScatterArgs.decode(args))
     ),
 }

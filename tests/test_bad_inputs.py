@@ -200,7 +200,7 @@ ROWS = [
     ("bucket names no module", compile_(llama, bucket=[["layers.9"]]), ValueError, r"names 'layers.9', which is not an FSDP module"),
     ("bucket_cap_mb below a module", compile_(llama, bucket_cap_mb=0.001), ValueError, r"bucket_cap_mb=0.001 is below FSDP module"),
     # at the first call, where the schedule is planned
-    ("bucket mixes reshard", first_call(llama, bucket=[["", "layers.0"]]), ValueError, r"mixes FSDP modules .* differ in reshard_after_forward; split it"),
+    ("bucket mixes reshard", first_call(llama, bucket=[["", "layers.0"]]), ValueError, r"mixes FSDP modules .* differ in reshard_after_forward \(False vs True\); split it"),
     ("memory budget too small", first_call(llama, memory_budget_gb=1e-9), ValueError, r"memory_budget_gb=1e-09 is below the .* MiB .*raise it, or leave it None"),
     # inputs
     ("input on another device", first_call(llama, inputs=lambda: tokens(device="meta")), ValueError, r"is on meta, but the model's parameters are on cpu: move the inputs there"),

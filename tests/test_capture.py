@@ -341,3 +341,30 @@ def test_inductor_keeps_the_overlap(tmp_path):
             r"extern_kernels\.(mm|bmm|addmm)\(|= partitioned_[fb]w_subgraph_\w+\(",
         )
         assert in_graph >= 2 and generated >= in_graph, (kind, in_graph, generated)
+
+
+@pytest.mark.parametrize("reshard, ranks, kernels", [(True, (0, 3), "torch"), (True, (0, 3), "triton"), (2, (0, 1), "torch")])
+def test_no_rank_in_the_graphs(reshard, ranks, kernels):
+    """Two ranks of 4 capture the same Dynamo, forward and backward graphs (evenly sharded): nothing in
+    them names the rank, so one rank's compiled artifacts can serve the others. A process group is named
+    in the graph, so ranks of different subgroups (HSDP's replicas, an int reshard_after_forward's
+    post-forward groups: {0, 1} and {2, 3} here) differ by those names only; the int's chunk index is
+    read when the op runs (ops.post_forward_shard)."""
+    import contextlib
+
+    from triton_mode import triton_interpreter
+
+    code = {}
+    for rank in ranks:
+        with fake_process_group(4, rank=rank), triton_interpreter() if kernels == "triton" else contextlib.nullcontext():
+            torch.manual_seed(0)
+            m = Llama(LlamaArgs(n_layers=2))
+            shard(m, m.layers, reshard_after_forward=reshard)
+            compiled = fc.compile(m, backend="aot_eager", kernels=kernels)
+            compiled(tokens()).sum().backward()
+            graphs = compiled.captured
+            code[rank] = [  # without comments (a region call's id counts the compiles of this process)
+                [line for line in g.print_readable(print_output=False).splitlines() if not line.lstrip().startswith("#")]
+                for g in graphs.dynamo + graphs.forward + graphs.backward
+            ]
+    assert code[ranks[0]] == code[ranks[1]]

@@ -81,7 +81,7 @@ def gloo_world_1():
 def test_opcheck(gloo_world_1):
     """Schema, fake implementations, autograd registration and dispatch are consistent."""
     shards = [torch.randn(5, 3, requires_grad=True), torch.randn(2, requires_grad=True)]
-    comm = Comm(("layers.0", "layers.1"), 0, gloo_world_1, world_size=1, rank=0, kernels="torch")
+    comm = Comm(("layers.0", "layers.1"), 0, gloo_world_1, world_size=1, kernels="torch")
     args = UnshardArgs(comm, (5, 2), torch.bfloat16, Reduction(torch.float32, "avg", None, None))
     torch.library.opcheck(torch.ops.fsdp_compile.unshard.default, (shards, [], [], *args.schema()))
     grads = [torch.randn(5, 3), torch.randn(2)]
@@ -93,8 +93,19 @@ def test_unshard_eager_autograd(gloo_world_1):
     """Called eagerly, unshard is the identity on 1 rank (cast to param_dtype) and its backward casts the
     gradient back to the parameter dtype, divided as FSDP2 would (fp16 reduce: pre/post factors)."""
     w = torch.randn(5, 3, requires_grad=True)
-    args = UnshardArgs(Comm(("",), 0, gloo_world_1, 1, 0, "torch"), (5,), torch.float16, Reduction(torch.float16, "sum", 2.0, 4.0))
+    args = UnshardArgs(Comm(("",), 0, gloo_world_1, 1, "torch"), (5,), torch.float16, Reduction(torch.float16, "sum", 2.0, 4.0))
     (full,) = torch.ops.fsdp_compile.unshard([w], [], [], *args.schema())
     assert full.dtype == torch.float16 and torch.equal(full, w.to(torch.float16))
     full.float().sum().backward()
     assert w.grad.dtype == torch.float32 and torch.equal(w.grad, torch.full((5, 3), 1 / 8))
+
+
+def test_args_are_one_named_string():
+    """Each op takes its record as one string with named fields: it round-trips, and names what it holds."""
+    reduction = Reduction(torch.float32, "sum", 2.0, 4.0, all_reduce_group="9", all_reduce_op="sum")
+    args = UnshardArgs(Comm(("layers.0", "layers.1"), 3, "7", 4, "triton"), (5, 2), torch.bfloat16, reduction)
+    (text,) = args.schema()
+    assert UnshardArgs.decode(text) == args
+    assert '"world_size":4' in text and '"param_dtype":"bfloat16"' in text and "rank" not in text
+    rs = ReduceScatterArgs(args.comm, (2, 0), torch.float32, reduction)
+    assert ReduceScatterArgs.decode(rs.encode()) == rs

@@ -20,13 +20,13 @@ import torch
 from dist_helpers import fake_process_group
 from fsdp_compile.passes.cost_model import CostModel
 from fsdp_compile.passes.schedule import Module, eager_fsdp2, modules_of, plan_schedule, predict
-from fsdp_compile.plan import read_plan
+from fsdp_compile.plan import BucketKey, read_plan
 from models import Llama, LlamaArgs, OddMLP, shard
 from passes_helpers import PROFILE
 
 MB = 1_000_000
 MS = 1e-3
-KEY = ("pg", 2, True, torch.float32, None, torch.float32, "avg", None, None, None, "avg", None)
+KEY = BucketKey("pg", 2, True, torch.float32, None, torch.float32, "avg", None, None, None, "avg", None)
 
 
 def module(fqn: str, **kw) -> Module:
@@ -101,14 +101,14 @@ def test_policies():
     assert len(per_param) == 3 + 4 * 9 and all(u.param is not None for u in per_param)
     assert members([["layers.0", "layers.1"], ["layers.3"]]) == [("",), ("layers.0", "layers.1"), ("layers.2",), ("layers.3",)]
     # the root keeps fully_shard's default of not resharding, the blocks reshard: one all-gather cannot do both
-    with pytest.raises(ValueError, match=r"bucket \['', 'layers.0'\] mixes .* differ in reshard_after_forward; split it"):
+    with pytest.raises(ValueError, match=r"bucket \['', 'layers.0'\] mixes .* differ in reshard_after_forward \(False vs True\); split it"):
         members([["", "layers.0"]])
     with pytest.raises(ValueError, match="names 'layers.9', which is not an FSDP module"):
         members([["layers.9"]])
     with pytest.raises(ValueError, match="names 'layers.1' twice"):
         members([["layers.1"], ["layers.1", "layers.2"]])
-    bf16 = [dataclasses.replace(m, key=m.key[:4] + (torch.bfloat16,) + m.key[5:]) if m.fqn == "layers.1" else m for m in mods]
-    with pytest.raises(ValueError, match=r"differ in MixedPrecisionPolicy.param_dtype"):
+    bf16 = [dataclasses.replace(m, key=m.key._replace(param_dtype=torch.bfloat16)) if m.fqn == "layers.1" else m for m in mods]
+    with pytest.raises(ValueError, match=r"differ in param_dtype \(None vs torch.bfloat16\)"):
         plan_schedule(bf16, policy=[["layers.0", "layers.1"]], reorder=True, cost_model=cm, workload=64)
 
 

@@ -41,9 +41,9 @@ _VIEWS = {
 }
 
 
-def tag_unshard_recompute(graph: fx.Graph, reshard: Mapping[str, bool | tuple[str, int, int]]) -> int:
+def tag_unshard_recompute(graph: fx.Graph, reshard: Mapping[str, bool | tuple[str, int]]) -> int:
     """Tag, in place, the unshard chains of the FSDP groups ``reshard`` maps to True, and re-gather those it
-    maps to a post-forward group ``(process group name, size, this rank's index)`` from it; returns how many
+    maps to a post-forward group ``(process group name, size)`` from it; returns how many
     chain nodes were tagged."""
     if graph.owning_module is not None:
         _rewire_region_inputs(graph.owning_module)
@@ -92,7 +92,7 @@ def _param_only(node: fx.Node, derived: set[fx.Node]) -> bool:
     return node.target.namespace in ("aten", "prims") and torch.Tag.nondeterministic_seeded not in node.target.tags
 
 
-def _regather_from_post_forward(graph: fx.Graph, post: Mapping[str, tuple[str, int, int]]) -> int:
+def _regather_from_post_forward(graph: fx.Graph, post: Mapping[str, tuple[str, int]]) -> int:
     """See the module docstring; returns how many units re-gather from their post-forward group."""
     unshard, grad = chains(graph)[0], gradient_dependent(graph)
     waits = {}  # the gathered buffer of each unit with a post-forward group
@@ -110,10 +110,10 @@ def _regather_from_post_forward(graph: fx.Graph, post: Mapping[str, tuple[str, i
         if node in mirror:
             return mirror[node]
         if node in waits:  # the chunk kept after forward, re-gathered before its first backward use
-            name, n, index = waits[node]
+            name, n = waits[node]
             buf = node.meta["val"]
             with graph.inserting_after(node):  # fsdp_compile::post_forward_shard, an op of ours (see ops.py)
-                kept = _fake_call(graph, torch.ops.fsdp_compile.post_forward_shard.default, (node, n, index), node,
+                kept = _fake_call(graph, torch.ops.fsdp_compile.post_forward_shard.default, (node, name), node,
                                   CheckpointPolicy.MUST_SAVE)
             with graph.inserting_before(before):
                 ag = node.args[0]

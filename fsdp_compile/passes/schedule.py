@@ -60,7 +60,7 @@ class Module:
     """One FSDP module as the planner sees it: rank-invariant numbers only."""
 
     fqn: str
-    key: tuple  # modules with equal keys may share a unit (process group, dtypes, reduction, reshard)
+    key: tuple  # modules with equal keys may share a unit (plan.BucketKey: process group, dtypes, reduction, reshard)
     params: tuple[str, ...]
     param_bytes: tuple[int, ...]  # per parameter: bytes its all-gather moves (padded, in the gather dtype)
     reduce_bytes: tuple[int, ...]  # per parameter: bytes its reduce-scatter takes in (0: frozen)
@@ -363,14 +363,12 @@ def _explicit_units(modules: Sequence[Module], buckets: Sequence[Sequence[str]])
     return units
 
 
-_KEY_FIELDS = ("process group", "world size", "reshard_after_forward", "parameter dtype",
-               "MixedPrecisionPolicy.param_dtype", "reduce dtype", "reduce op", "gradient pre-divide factor",
-               "gradient post-divide factor", "HSDP replicate group", "HSDP all-reduce op",
-               "reshard_after_forward's post-forward group")  # GroupPlan.bucket_key
-
-
 def _key_difference(members: Sequence[Module]) -> str:
-    diff = [name for name, *values in zip(_KEY_FIELDS, *(m.key for m in members)) if len(set(values)) > 1]
+    """The fields of the members' keys (``plan.BucketKey``) that differ, with their values."""
+    keys = [m.key for m in members]
+    names = getattr(keys[0], "_fields", [str(i) for i in range(len(keys[0]))])
+    diff = [f"{name} ({' vs '.join(map(str, dict.fromkeys(values)))})"
+            for name, *values in zip(names, *keys) if len(set(values)) > 1]
     return ", ".join(diff) or "their sharding"
 
 

@@ -1,0 +1,263 @@
+"""The one reader of FSDP2's private state (``torch.distributed.fsdp._fully_shard``).
+
+FSDP2's public API is ``fully_shard``, ``FSDPModule`` and its setters. What fsdp_compile needs to
+reproduce FSDP2 in a graph lives in its private classes: ``FSDPState`` (the hooks, mixed precision, the
+prefetch lists), ``FSDPParamGroup`` (process groups, the runtime settings the setters write, what is in
+flight) and ``FSDPParam`` (each parameter's layout). Every read of them is here, as a typed accessor
+with a test (``tests/test_fsdp2_adapter.py``), and returns plain records where it can: a torch that
+renames an attribute fails here, naming it and the torch we test with, not somewhere inside a trace.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy
+
+TESTED_TORCH = "2.13"  # what CI runs; torch 2.14.1 was seen to run the demo unchanged
+
+
+class FSDP2Changed(RuntimeError):
+    """This torch's FSDP2 lacks something fsdp_compile reads."""
+
+
+def _get(obj, name: str):
+    try:
+        return getattr(obj, name)
+    except AttributeError:
+        raise FSDP2Changed(
+            f"fsdp_compile reads FSDP2's {type(obj).__name__}.{name}, which torch {torch.__version__} does not "
+            f"have: fsdp_compile is tested with torch {TESTED_TORCH}.x; install torch=={TESTED_TORCH}.0, or a "
+            "fsdp_compile release made for this torch"
+        ) from None
+
+
+def _private(module: str, name: str):
+    import importlib
+
+    try:
+        return getattr(importlib.import_module(f"torch.distributed.fsdp._fully_shard.{module}"), name)
+    except (ImportError, AttributeError):
+        raise FSDP2Changed(
+            f"fsdp_compile uses FSDP2's {module}.{name}, which torch {torch.__version__} does not have: "
+            f"fsdp_compile is tested with torch {TESTED_TORCH}.x; install torch=={TESTED_TORCH}.0"
+        ) from None
+
+
+# --- states: one per fully_shard call ----------------------------------------------------------------
+
+
+def states(model: nn.Module) -> list[tuple[str, nn.Module, object]]:
+    """``(fqn, module, state)`` for every FSDP state, in pre-order: one per ``fully_shard`` call, named by
+    its first module (``fully_shard([m1, m2])`` shards several modules as one group)."""
+    out, seen = [], set()
+    for fqn, module in model.named_modules():
+        if isinstance(module, FSDPModule):
+            state = _get(module, "_get_fsdp_state")()
+            if id(state) not in seen:
+                seen.add(id(state))
+                out.append((fqn, module, state))
+    return out
+
+
+def lazy_init(state, allow_meta: bool = False) -> None:
+    """FSDP2's lazy init (its first forward's pre-hook runs it; idempotent). ``allow_meta``: FSDP2 refuses
+    meta parameters, which ``explain`` captures at full size without memory; its check is skipped for
+    this call only."""
+    if not allow_meta:
+        _get(state, "_lazy_init")()
+        return
+    group_cls = _private("_fsdp_param_group", "FSDPParamGroup")
+    original = _get(group_cls, "_validate_no_meta_params")
+    group_cls._validate_no_meta_params = lambda self: None
+    try:
+        _get(state, "_lazy_init")()
+    finally:
+        group_cls._validate_no_meta_params = original
+
+
+def param_groups(state) -> list:
+    """The state's ``FSDPParamGroup``s (one per mesh; none for a module without parameters)."""
+    return list(_get(state, "_fsdp_param_groups"))
+
+
+def prefetch(state) -> tuple[list, list]:
+    """The states ``set_modules_to_forward_prefetch`` / ``set_modules_to_backward_prefetch`` named."""
+    return list(_get(state, "_states_to_forward_prefetch")), list(_get(state, "_states_to_backward_prefetch"))
+
+
+def modules(state) -> tuple[nn.Module, ...]:
+    """The modules one ``fully_shard`` call sharded (several for ``fully_shard([m1, m2])``)."""
+    return tuple(_get(state, "_modules"))
+
+
+def forward_hooks(state) -> tuple:
+    """The state's forward pre-hook and post-hook functions, as registered (wrapped) on its modules."""
+    return _get(state, "_pre_forward"), _get(state, "_post_forward")
+
+
+def mp_policy(state) -> MixedPrecisionPolicy:
+    return _get(state, "_mp_policy")
+
+
+def floating_cast(dtype: torch.dtype):
+    """FSDP2's ``cast_forward_inputs`` / ``output_dtype`` cast, as a function of a tree of tensors that
+    casts every floating one. Made before tracing: Dynamo traces the returned function, not the lookup."""
+    from torch.distributed.utils import _apply_to_tensors
+
+    cast_one = functools.partial(_private("_fsdp_common", "_cast_fp_tensor"), dtype)
+    return lambda tree: _apply_to_tensors(cast_one, tree)
+
+
+def composable_checkpoint(module: nn.Module) -> bool:
+    """Whether ``torch.distributed._composable.checkpoint`` was applied to ``module`` (the composable API's
+    registry, where ``fully_shard`` registers itself too)."""
+    from torch.distributed._composable.contract import _get_registry
+
+    return "checkpoint" in (_get_registry(module) or {})
+
+
+# --- parameter groups: runtime settings, layout, what is in flight -----------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What FSDP2's setters have written on one parameter group (read at every compiled call: attribute
+    reads only). Records compare field by field, so a change names the field."""
+
+    requires_gradient_sync: bool  # set_requires_gradient_sync
+    requires_all_reduce: bool  # set_requires_all_reduce (HSDP)
+    reshard_after_backward: bool  # set_reshard_after_backward
+    reshard_after_forward: bool  # set_reshard_after_forward (an int's post-forward group: uses_post_forward_mesh)
+    uses_post_forward_mesh: bool
+    gradient_divide_factor: float | None  # set_gradient_divide_factor / set_reduce_scatter_divide_factor
+    force_sum_reduction_for_comms: bool
+    reduce_scatter_unused_params: bool
+    reduce_scatter_max_input_buffers: int
+    unshard_in_backward: bool
+    all_gather_comm: str  # the collective implementations' class names (custom ones from set_custom_*)
+    reduce_scatter_comm: str
+    all_reduce_hook: bool
+    separate_reduce_scatter_group: bool
+    forward_prefetch: tuple[int, ...]  # ids of the prefetched states
+    backward_prefetch: tuple[int, ...]
+
+    def without_sync_flags(self) -> Settings:
+        """The settings that decide a plan: gradient sync is a mode of a compiled step, not another plan."""
+        return dataclasses.replace(self, requires_gradient_sync=True, requires_all_reduce=True)
+
+
+def settings(state, pg) -> Settings:
+    forward, backward = prefetch(state)
+    return Settings(
+        requires_gradient_sync=_get(pg, "reduce_grads"),
+        requires_all_reduce=_get(pg, "all_reduce_grads"),
+        reshard_after_backward=_get(pg, "reshard_after_backward"),
+        reshard_after_forward=_get(pg, "_reshard_after_forward"),
+        uses_post_forward_mesh=_get(pg, "_use_post_forward_mesh"),
+        gradient_divide_factor=_get(pg, "gradient_divide_factor"),
+        force_sum_reduction_for_comms=_get(pg, "force_sum_reduction_for_comms"),
+        reduce_scatter_unused_params=_get(pg, "reduce_scatter_unused_params"),
+        reduce_scatter_max_input_buffers=_get(pg, "reduce_scatter_max_input_buffers"),
+        unshard_in_backward=_get(pg, "unshard_in_backward"),
+        all_gather_comm=type(_get(pg, "_all_gather_comm")).__name__,
+        reduce_scatter_comm=type(_get(pg, "_reduce_scatter_comm")).__name__,
+        all_reduce_hook=_get(pg, "_all_reduce_hook") is not None,
+        separate_reduce_scatter_group=_get(pg, "_reduce_scatter_process_group") is not _get(pg, "_all_gather_process_group"),
+        forward_prefetch=tuple(id(s) for s in forward),
+        backward_prefetch=tuple(id(s) for s in backward),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Param:
+    """One ``FSDPParam``: the sharded parameter and how FSDP2 lays it out."""
+
+    fqn: str  # FSDP2's own name for it (from the root at fully_shard time)
+    sharded_param: nn.Parameter  # the Shard(0) DTensor on the module
+    placement: object  # FSDP2's placement on its shard dim (Shard(0) by default)
+    was_dtensor: bool  # a DTensor before fully_shard (tensor / expert parallelism)
+    all_gather_extension: bool  # the local shard implements fsdp_pre_all_gather (float8, ...)
+    param_dtype: torch.dtype | None  # MixedPrecisionPolicy.param_dtype, where it differs from orig_dtype
+    orig_dtype: torch.dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """One ``FSDPParamGroup``: where its collectives run and how gradients are reduced."""
+
+    device: torch.device
+    offload_to_cpu: bool  # offload_policy=CPUOffloadPolicy()
+    spmd_mesh: bool  # fully_shard(..., dp_mesh_dims=...), or a mesh that is not FSDP's (replicate only)
+    shard_mesh_rank: int
+    all_gather_group: object  # ProcessGroup
+    all_reduce_group: object | None  # HSDP: the replicate dimension's ProcessGroup
+    post_forward: tuple[object, int, int] | None  # an int reshard_after_forward: (ProcessGroup, size, rank)
+    reduce_dtype: torch.dtype | None  # MixedPrecisionPolicy.reduce_dtype as FSDP2 resolved it
+    params: tuple[Param, ...]
+
+
+def layout(pg) -> Layout:
+    """After FSDP2's lazy init (``lazy_init``), which resolves the dtypes."""
+    mesh_info = _get(pg, "mesh_info")
+    fsdp_mesh_info = _private("_fsdp_common", "FSDPMeshInfo")
+    spmd = not isinstance(mesh_info, fsdp_mesh_info) or getattr(mesh_info, "is_spmd_mesh", False)
+    post_forward = None
+    if _get(pg, "_use_post_forward_mesh"):
+        pf = _get(pg, "post_forward_mesh_info")
+        post_forward = (pf.shard_process_group, pf.shard_mesh_size, pf.shard_mesh_rank)
+    params = []
+    for fp in _get(pg, "fsdp_params"):
+        local = getattr(fp, "_sharded_local_tensor", None)
+        params.append(Param(
+            fqn=_get(fp, "_param_fqn"),
+            sharded_param=_get(fp, "sharded_param"),
+            placement=_get(fp, "fsdp_placement"),
+            was_dtensor=bool(getattr(fp, "is_dtensor", False)),
+            all_gather_extension=getattr(fp, "_extensions_data", None) is not None and hasattr(local, "fsdp_pre_all_gather"),
+            param_dtype=_get(fp, "param_dtype"),
+            orig_dtype=_get(fp, "orig_dtype"),
+        ))
+    hsdp = _get(pg, "_is_hsdp")
+    return Layout(
+        device=_get(pg, "device"),
+        offload_to_cpu=isinstance(_get(pg, "offload_policy"), CPUOffloadPolicy),
+        spmd_mesh=spmd,
+        shard_mesh_rank=0 if spmd else mesh_info.shard_mesh_rank,
+        all_gather_group=_get(pg, "_all_gather_process_group"),
+        all_reduce_group=_get(pg, "_all_reduce_process_group") if hsdp else None,
+        post_forward=post_forward,
+        reduce_dtype=_get(pg, "_reduce_dtype"),
+        params=tuple(params),
+    )
+
+
+def gradient_divide_factors(group, replicate_group, reduce_dtype: torch.dtype, device_type: str,
+                            factor: float | None, force_sum: bool) -> tuple:
+    """FSDP2's ``(pre, post, reduce-scatter op, all-reduce op)`` for a reduction (``_fsdp_collectives``)."""
+    return _private("_fsdp_collectives", "_get_gradient_divide_factors")(
+        group, replicate_group, reduce_dtype, device_type, factor, force_sum
+    )
+
+
+def all_gather_in_flight(pg) -> bool:
+    """A user's ``unshard(async_op=True)`` not yet waited on."""
+    return _get(pg, "_all_gather_result") is not None
+
+
+def is_sharded(pg) -> bool:
+    return _get(pg, "is_sharded")
+
+
+def reshard(pg) -> None:
+    """FSDP2's reshard: frees the unsharded parameters, puts the sharded ones back (local, no collective)."""
+    _get(pg, "reshard")()
+
+
+def reset_sharded_params(pg) -> None:
+    """After the parameters were replaced (``load_state_dict(assign=True)``): FSDP2 re-reads them."""
+    for fp in _get(pg, "fsdp_params"):
+        _get(fp, "reset_sharded_param")()
