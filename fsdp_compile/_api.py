@@ -135,10 +135,10 @@ class CompiledFSDPModule(nn.Module):
         # is planned anew, with buckets that split along it (an explicit plan is the user's: _gradient_sync).
         # Modules that still hold gradients accumulated without sync count as without: the step that syncs
         # them keeps the split, so each unit's accumulated gradients are all there or all absent.
+        pending = {fqn for fqn, sink in self._sinks.items() if sink.grad is not None}  # parameter FQNs
         without_sync = frozenset(
             fqn for fqn, settings in key
-            if not settings.requires_gradient_sync or any(self._sinks[p.fqn].grad is not None
-                                                          for p in self.plan.group(fqn).params if p.fqn in self._sinks)
+            if not settings.requires_gradient_sync or (pending and any(p.fqn in pending for p in self.plan.group(fqn).params))
         )
         mixed = self.config.bucket == "auto" and 0 < len(without_sync) < len(self._groups)
         plan_key = (tuple((fqn, settings.without_sync_flags()) for fqn, settings in key), without_sync if mixed else None)
