@@ -5,13 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 
-import torch
-
-_c10d = torch.ops._c10d_functional
-_ALL_GATHER = {_c10d.all_gather_into_tensor.default, _c10d.all_gather_into_tensor_out.default}
-_REDUCE_SCATTER = {_c10d.reduce_scatter_tensor.default}
-_ALL_REDUCE = {_c10d.all_reduce.default}
-
 
 @dataclasses.dataclass
 class Bucket:
@@ -115,30 +108,24 @@ def region_summary(repeated: list[list[str]], decisions, enabled: bool) -> list[
 
 
 def count_collectives(graphs) -> dict[str, int]:
+    from fsdp_compile.passes.predicates import collective_counts
+
     counts = {"all_gathers": 0, "reduce_scatters": 0, "all_reduces": 0}
     for gm in graphs:
-        for node in gm.graph.nodes:
-            if node.target in _ALL_GATHER:
-                counts["all_gathers"] += 1
-            elif node.target in _REDUCE_SCATTER:
-                counts["reduce_scatters"] += 1
-            elif node.target in _ALL_REDUCE:
-                counts["all_reduces"] += 1
+        for kind, n in collective_counts(gm.graph).items():
+            counts[kind] += n
     return counts
 
 
 def collective_bytes(graphs) -> dict[str, int]:
     """Bytes per kind of collective in ``graphs``, each counted as its full buffer: an all-gather's output,
     a reduce-scatter's input, an all-reduce's tensor (the buffers eager FSDP2 hands to torch.distributed)."""
-    from fsdp_compile.passes.predicates import node_bytes
+    from fsdp_compile.passes.predicates import counted_kind, node_bytes
 
     out = {"all_gathers": 0, "reduce_scatters": 0, "all_reduces": 0}
     for gm in graphs:
         for node in gm.graph.nodes:
-            if node.target in _ALL_GATHER:
-                out["all_gathers"] += node_bytes(node)
-            elif node.target in _REDUCE_SCATTER:
-                out["reduce_scatters"] += node_bytes(node.args[0])
-            elif node.target in _ALL_REDUCE:
-                out["all_reduces"] += node_bytes(node)
+            kind = counted_kind(node)
+            if kind is not None:
+                out[kind] += node_bytes(node.args[0] if kind == "reduce_scatters" else node)
     return out

@@ -78,11 +78,6 @@ def run_passes(
         for n in P.collectives(graph)
         if P.fsdp_meta(n) is not None
     ]
-    counts = {"all_gathers": 0, "reduce_scatters": 0, "all_reduces": 0}
-    for n in P.collectives(graph):
-        name = f"{P.collective_kind(n)}s"
-        if name in counts:
-            counts[name] += 1
     # Only reordered graphs need pinning against Inductor's scheduler (see pin_order.py).
     pinned = pin_collective_order(gm) if pin_order and moves else 0
     gm.recompile()
@@ -91,5 +86,5 @@ def run_passes(
         moves=[dataclasses.asdict(m) for m in moves], comm_budget=schedule.comm_budget_bytes,
         before=before.to_dict(), after=after.to_dict(), peak_before=peak_before, peak_after=peak_after,
         peak_node=None if peak_node is None else peak_node.name, pinned_edges=pinned, stages=stages,
-        collectives=counts,
+        collectives=P.collective_counts(graph),
     )

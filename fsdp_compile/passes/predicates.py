@@ -44,6 +44,12 @@ _OTHER_COLLECTIVE_OPS = frozenset(
     }
 )
 COLLECTIVE_OPS = ALL_GATHER_OPS | REDUCE_SCATTER_OPS | ALL_REDUCE_OPS | _OTHER_COLLECTIVE_OPS
+# what the report and the passes' records count, per step: FSDP's collectives (an out= all-gather too)
+_COUNTED = {
+    **{op: "all_gathers" for op in ALL_GATHER_OPS | {_c10d.all_gather_into_tensor_out.default}},
+    **{op: "reduce_scatters" for op in REDUCE_SCATTER_OPS},
+    **{op: "all_reduces" for op in ALL_REDUCE_OPS},
+}
 WAIT_OPS = frozenset({_c10d.wait_tensor.default})
 
 _KIND = {
@@ -87,6 +93,21 @@ def is_wait(node: fx.Node) -> bool:
 def collective_kind(node: fx.Node) -> str | None:
     """``"all_gather" | "reduce_scatter" | "all_reduce" | "all_to_all" | "broadcast"``, or None."""
     return _KIND.get(node.target) if node.op == "call_function" else None
+
+
+def counted_kind(node: fx.Node) -> str | None:
+    """``"all_gathers" | "reduce_scatters" | "all_reduces"``: the count ``node`` adds to, or None."""
+    return _COUNTED.get(node.target) if node.op == "call_function" else None
+
+
+def collective_counts(graph: fx.Graph) -> dict[str, int]:
+    """All-gathers, reduce-scatters and all-reduces in ``graph``."""
+    counts = {"all_gathers": 0, "reduce_scatters": 0, "all_reduces": 0}
+    for node in graph.nodes:
+        kind = counted_kind(node)
+        if kind is not None:
+            counts[kind] += 1
+    return counts
 
 
 def wait_of(collective: fx.Node) -> fx.Node | None:
