@@ -59,7 +59,6 @@ class GroupPlan:
     params: tuple[ParamPlan, ...]
     group_name: str  # c10d process group name used by the functional collectives
     world_size: int
-    rank: int
     reshard_after_forward: bool  # re-gather in backward (True) or keep unsharded params for it
     param_dtype: torch.dtype | None  # all-gather / compute dtype (None: the parameter's own)
     reduce_dtype: torch.dtype | None  # reduce-scatter dtype (None: the gradient's)
@@ -387,7 +386,6 @@ def _read_group(fqn: str, layout: _fsdp2.Layout, settings: Settings, canonical: 
         params=tuple(params),
         group_name=group.group_name,
         world_size=world_size,
-        rank=group.rank(),
         reshard_after_forward=settings.reshard_after_forward,
         param_dtype=param_dtype,
         reduce_dtype=reduce_dtype,
