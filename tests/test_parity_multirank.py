@@ -70,10 +70,8 @@ def _check_bitwise(results, case):
     for rank, per_rank in enumerate(results):
         r = per_rank[case.name]
         assert r["graph_breaks"] == 0 and r["dynamo_graphs"] == 1, (rank, r)
-        assert r["loss_eager"] == r["loss_compiled"], (rank, r["loss_eager"], r["loss_compiled"])
-        assert max(r["grad_diff"]) == 0.0, (rank, r["grad_diff"])
-        assert max(r["param_diff"]) == 0.0, (rank, r["param_diff"])
         assert r["grad_types"] == ["DTensor"], r["grad_types"]  # gradients land on the sharded DTensors
+        assert ("loss_inline" in r) == case.regions  # the differential guard ran wherever regions were on
         for name in ("compiled", "inline") if case.regions else ("compiled",):
             assert r[f"loss_{name}"] == r["loss_eager"], (rank, name, r["loss_eager"], r[f"loss_{name}"])
             assert max(r[f"{name}_grad_diff"]) == 0.0, (rank, name, r[f"{name}_grad_diff"])
