@@ -22,7 +22,7 @@ from fsdp_compile.config import CompileConfig
 from fsdp_compile.passes.cost_model import CostModel, resolve_hardware
 from fsdp_compile.passes.schedule import Schedule, modules_of, plan_schedule
 from fsdp_compile.plan import ShardingPlan, check_ranks_agree, param_groups, read_plan, settings_key
-from fsdp_compile.report import Bucket, Report, count_collectives, region_summary
+from fsdp_compile.report import Bucket, Report, collectives_by_mesh_dim, count_collectives, region_summary
 
 __all__ = ["fully_shard", "compile", "explain", "CompiledFSDPModule"]
 
@@ -404,6 +404,9 @@ def explain_with_graphs(model: nn.Module, example_args, example_kwargs, config: 
         schedule=schedule.to_dict(),
         planning_ms=schedule.planning_s * 1e3,
         regions=compiled.regions(),
+        collectives_by_mesh_dim=collectives_by_mesh_dim(
+            compiled.captured.forward + compiled.captured.backward, plan.mesh_dim_of_groups()
+        ),
     ), compiled.captured
 
 

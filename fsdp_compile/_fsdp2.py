@@ -177,9 +177,12 @@ class Param:
     """One ``FSDPParam``: the sharded parameter and how FSDP2 lays it out."""
 
     fqn: str  # FSDP2's own name for it (from the root at fully_shard time)
-    sharded_param: nn.Parameter  # the Shard(0) DTensor on the module
+    sharded_param: nn.Parameter  # the DTensor on the module: Shard(0) over FSDP's mesh (and its TP/EP dims)
     placement: object  # FSDP2's placement on its shard dim (Shard(0) by default)
-    was_dtensor: bool  # a DTensor before fully_shard (tensor / expert parallelism)
+    unsharded_shape: tuple[int, ...]  # what its all-gather rebuilds: the full shape, or a DTensor's local one
+    # a DTensor before fully_shard (tensor / expert parallelism): its spec (mesh, placements, global shape
+    # and stride), which the gathered local tensor is wrapped in again, as FSDP2's init_unsharded_param does
+    unsharded_spec: object | None
     all_gather_extension: bool  # the local shard implements fsdp_pre_all_gather (float8, ...)
     param_dtype: torch.dtype | None  # MixedPrecisionPolicy.param_dtype, where it differs from orig_dtype
     orig_dtype: torch.dtype
@@ -198,6 +201,8 @@ class Layout:
     post_forward: tuple[object, int, int] | None  # an int reshard_after_forward: (ProcessGroup, size, rank)
     reduce_dtype: torch.dtype | None  # MixedPrecisionPolicy.reduce_dtype as FSDP2 resolved it
     params: tuple[Param, ...]
+    shard_dim_name: str | None = None  # the FSDP mesh's names for its shard and (HSDP) replicate dims
+    replicate_dim_name: str | None = None
 
 
 def layout(pg) -> Layout:
@@ -216,12 +221,16 @@ def layout(pg) -> Layout:
             fqn=_get(fp, "_param_fqn"),
             sharded_param=_get(fp, "sharded_param"),
             placement=_get(fp, "fsdp_placement"),
-            was_dtensor=bool(getattr(fp, "is_dtensor", False)),
+            unsharded_shape=tuple(_get(fp, "_orig_size")),
+            unsharded_spec=_get(fp, "_unsharded_dtensor_spec") if _get(fp, "is_dtensor") else None,
             all_gather_extension=getattr(fp, "_extensions_data", None) is not None and hasattr(local, "fsdp_pre_all_gather"),
             param_dtype=_get(fp, "param_dtype"),
             orig_dtype=_get(fp, "orig_dtype"),
         ))
     hsdp = _get(pg, "_is_hsdp")
+    names = (getattr(mesh_info.mesh, "mesh_dim_names", None) or ()) if not spmd else ()
+    shard_dim = getattr(mesh_info, "shard_mesh_dim", None)
+    replicate_dim = getattr(mesh_info, "replicate_mesh_dim", None) if hsdp else None
     return Layout(
         device=_get(pg, "device"),
         offload_to_cpu=isinstance(_get(pg, "offload_policy"), CPUOffloadPolicy),
@@ -232,6 +241,8 @@ def layout(pg) -> Layout:
         post_forward=post_forward,
         reduce_dtype=_get(pg, "_reduce_dtype"),
         params=tuple(params),
+        shard_dim_name=names[shard_dim] if names and shard_dim is not None else None,
+        replicate_dim_name=names[replicate_dim] if names and replicate_dim is not None else None,
     )
 
 

@@ -152,7 +152,16 @@ def make_backend(
         if record_key is not None:
             _record_cache.store(record_key, record)
 
+    parallel = any(p.parallel is not None for g in plan.groups for p in g.params)
+
     def backend(gm: torch.fx.GraphModule, example_inputs):
+        if parallel:
+            # DTensor's C++ sharding-propagation cache keeps what an eager step decided, and torch 2.13's
+            # AOTAutograd, tracing the same op at the same shapes, can hit it and build a joint graph that
+            # returns a tangent as a forward output ("Node tangents_2 was invalid, but is output" in the
+            # partitioner; measured: a TP Llama compiled after an eager step at the same shapes). Tracing
+            # starts from an empty cache; it refills on the next eager op.
+            torch._C._clear_DTensor_sharding_propagator_cache()
         # regions that would compute something else than the inline compile are inlined (passes/regions.py)
         captured.regions.extend(admit_regions(gm, detect_fake_mode(example_inputs)))
         hook.dynamo(len(captured.dynamo), gm)

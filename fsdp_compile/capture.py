@@ -192,8 +192,18 @@ def traced_forward(
     for i, (unit, unit_shards) in enumerate(zip(schedule.units, shards)):
         params = unit_params(plan, unit)
         gathered = torch.ops.fsdp_compile.unshard(unit_shards, sinks[i], accumulated[i], unshard_arguments[i])
-        full.update({p.fqn: t for p, t in zip(params, gathered)})
+        full.update({p.fqn: t if p.parallel is None else _as_dtensor(t, p.parallel) for p, t in zip(params, gathered)})
     return torch.func.functional_call(model, full, args, kwargs, tie_weights=True, strict=False)
+
+
+def _as_dtensor(local: torch.Tensor, spec):
+    """A gathered TP/EP-local tensor as the DTensor its module's parallel plan expects (FSDP2's
+    ``init_unsharded_param``). Differentiable: the gradient comes back as the local tensor, redistributed
+    to ``spec.placements`` first where it is not already (a Partial gradient of a replicated weight is
+    all-reduced over its mesh), as FSDP2 does before its reduce-scatter."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, spec.mesh, spec.placements, run_check=False, shape=spec.shape, stride=spec.stride)
 
 
 def unit_params(plan: ShardingPlan, unit: Unit) -> list[ParamPlan]:

@@ -58,17 +58,18 @@ class Attention(nn.Module):
         self.wo = nn.Linear(a.dim, a.dim, bias=False)
 
     def forward(self, x, cache):
-        B, S, D = x.shape
-        q = self.wq(x).view(B, S, self.n_heads, self.head_dim)
-        k = self.wk(x).view(B, S, self.n_kv_heads, self.head_dim)
-        v = self.wv(x).view(B, S, self.n_kv_heads, self.head_dim)
+        B, S = x.shape[:2]
+        # heads as -1: under tensor parallelism each rank holds its own heads (torchtitan's Llama does the same)
+        q = self.wq(x).view(B, S, -1, self.head_dim)
+        k = self.wk(x).view(B, S, -1, self.head_dim)
+        v = self.wv(x).view(B, S, -1, self.head_dim)
         q, k = apply_rope(q, cache), apply_rope(k, cache)
         # [B, H, S, hd]
         o = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
             enable_gqa=self.n_kv_heads != self.n_heads,
         )
-        return self.wo(o.transpose(1, 2).reshape(B, S, D))
+        return self.wo(o.transpose(1, 2).reshape(B, S, -1))
 
 
 class FeedForward(nn.Module):

@@ -24,13 +24,30 @@ from fsdp_compile._layout import padded_rows, rank_rows
 
 
 @dataclasses.dataclass(frozen=True)
+class ParallelSpec:
+    """A parameter that was a DTensor before ``fully_shard`` (tensor, sequence or expert parallelism): FSDP
+    shards and gathers its local tensor, and the module gets it back as this DTensor, as FSDP2's
+    ``init_unsharded_param`` hands it over."""
+
+    mesh: object  # DeviceMesh of its own parallelism (the "tp" or "ep" dims)
+    placements: tuple  # its placements there (Shard(0) / Shard(1) / Replicate() ...)
+    shape: tuple[int, ...]  # its global shape and stride
+    stride: tuple[int, ...]
+
+    def describe(self) -> str:
+        names = self.mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(self.mesh.ndim))
+        return ", ".join(f"{n}={p!r}" for n, p in zip(names, self.placements))
+
+
+@dataclasses.dataclass(frozen=True)
 class ParamPlan:
     fqn: str  # first FQN in ``model.named_parameters()``; tied aliases resolve to it
-    full_shape: tuple[int, ...]
+    full_shape: tuple[int, ...]  # what the all-gather rebuilds: the parameter's shape, or its TP/EP-local one
     local_rows: int  # this rank's unpadded dim-0 rows (0 for ranks past the end)
     orig_dtype: torch.dtype
     requires_grad: bool
     matmul: bool  # a weight of matrix products (2-D or more, and not only an embedding table): the cost model's FLOPs
+    parallel: ParallelSpec | None = None  # a DTensor before fully_shard: what the module is handed
 
 
 class BucketKey(NamedTuple):
@@ -74,6 +91,7 @@ class GroupPlan:
     post_forward_size: int = 0
     forward_prefetch: tuple[str, ...] = ()  # FSDP2's set_modules_to_forward_prefetch: FQNs gathered at our pre-forward
     backward_prefetch: tuple[str, ...] = ()  # ... set_modules_to_backward_prefetch
+    mesh_dims: tuple[str, ...] = ("dp", "replicate")  # the FSDP mesh's names of its shard and replicate dims
 
     @property
     def unsharded_bytes(self) -> int:
@@ -121,7 +139,8 @@ class ShardingPlan:
              "all_reduce_op": g.all_reduce_op, "post_forward_size": g.post_forward_size,
              "forward_prefetch": list(g.forward_prefetch), "backward_prefetch": list(g.backward_prefetch),
              "params": [{"fqn": p.fqn, "shape": list(p.full_shape), "dtype": str(p.orig_dtype),
-                         "requires_grad": p.requires_grad, "matmul": p.matmul} for p in g.params]}
+                         "requires_grad": p.requires_grad, "matmul": p.matmul,
+                         "parallel": None if p.parallel is None else p.parallel.describe()} for p in g.params]}
             for g in self.groups
         ]
 
@@ -130,6 +149,25 @@ class ShardingPlan:
         names = [g.group_name for g in self.groups]
         names += [n for g in self.groups for n in (g.replicate_group_name, g.post_forward_group_name) if n]
         return list(dict.fromkeys(names))
+
+    def mesh_dim_of_groups(self) -> dict[str, str]:
+        """Every process group the model's collectives run on, by c10d name -> the mesh dim it is: FSDP's
+        shard dim, HSDP's replicate dim, and the TP/EP dims of parameters that were DTensors (their
+        parallel plan's collectives run on those). What the report counts collectives per."""
+        out = {}
+        for g in self.groups:
+            out.setdefault(g.group_name, g.mesh_dims[0])
+            if g.replicate_group_name:
+                out.setdefault(g.replicate_group_name, g.mesh_dims[1])
+            if g.post_forward_group_name:
+                out.setdefault(g.post_forward_group_name, f"{g.mesh_dims[0]} (post-forward)")
+            for p in g.params:
+                if p.parallel is not None:
+                    mesh = p.parallel.mesh
+                    names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+                    for i, name in enumerate(names):
+                        out.setdefault(mesh.get_group(i).group_name, name)
+        return out
 
     def has_fsdp_children(self, fqn: str) -> bool:
         """Whether other FSDP modules live inside module ``fqn`` (the root, usually)."""
@@ -343,12 +381,6 @@ def _read_group(fqn: str, layout: _fsdp2.Layout, settings: Settings, canonical: 
     for fp in layout.params:
         param = fp.sharded_param
         where_p = f"parameter {canonical.get(param, fp.fqn)!r}"
-        if fp.was_dtensor:
-            raise NotImplementedError(
-                f"{where_p} was already a DTensor before fully_shard (tensor or expert parallelism, a 2-D mesh): "
-                "FSDP combined with it is not supported under fsdp_compile.compile yet; train it with eager "
-                "FSDP2 (or torch.compile on its blocks)"
-            )
         if not isinstance(param, DTensor) or fp.placement != Shard(0):
             raise NotImplementedError(f"{where_p}: only Shard(0) placements are supported (got {fp.placement})")
         if fp.all_gather_extension:
@@ -356,12 +388,22 @@ def _read_group(fqn: str, layout: _fsdp2.Layout, settings: Settings, canonical: 
         if param not in canonical:
             raise ValueError(f"{where_p} is managed by FSDP but not reachable by model.named_parameters()")
         local = param.to_local()
-        full = tuple(param.shape)
+        full = fp.unsharded_shape  # the parameter's shape, or its TP/EP-local one (FSDP2 shards that)
         expected = rank_rows(full[0], world_size, group.rank())
         if local.shape[0] != expected or tuple(local.shape[1:]) != full[1:]:
             raise ValueError(f"{where_p}: local shard {tuple(local.shape)} does not match FSDP2's dim-0 layout of {full} over {world_size} ranks")
         matmul = len(full) >= 2 and not lookup_only.get(param, False)
-        params.append(ParamPlan(canonical[param], full, local.shape[0], param.dtype, param.requires_grad, matmul))
+        parallel = None
+        if fp.unsharded_spec is not None:
+            if layout.post_forward is not None:  # FSDP2's own to_sharded_post_forward refuses DTensor parameters
+                raise NotImplementedError(
+                    f"{where}: reshard_after_forward={post_forward['post_forward_size']} (an int) with {where_p} a "
+                    "DTensor of tensor or expert parallelism: FSDP2 itself does not support resharding those to a "
+                    "smaller mesh after forward; use reshard_after_forward=True or False"
+                )
+            spec = fp.unsharded_spec
+            parallel = ParallelSpec(spec.mesh, tuple(spec.placements), tuple(spec.shape), tuple(spec.stride))
+        params.append(ParamPlan(canonical[param], full, local.shape[0], param.dtype, param.requires_grad, matmul, parallel))
     trainable = [p for p in layout.params if p.sharded_param.requires_grad]
     param_dtype = next((p.param_dtype for p in layout.params if p.param_dtype is not None), None)
     grad_dtype = param_dtype or (trainable[0].orig_dtype if trainable else None)
@@ -395,5 +437,6 @@ def _read_group(fqn: str, layout: _fsdp2.Layout, settings: Settings, canonical: 
         replicate_group_name=None if replicate is None else replicate.group_name,
         replicate_size=1 if replicate is None else replicate.size(),
         all_reduce_op=all_reduce_op,
+        mesh_dims=(layout.shard_dim_name or "dp", layout.replicate_dim_name or "replicate"),
         **post_forward,
     )

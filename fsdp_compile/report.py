@@ -42,6 +42,8 @@ class Report:
     planning_ms: float | None = None  # time spent planning the schedule (once per compiled model)
     # per kind of repeated block: {"blocks": [FSDP module FQNs], "region": bool, "why": None | why inline}
     regions: list[dict] = dataclasses.field(default_factory=list)
+    # per mesh dim (FSDP's shard dim, HSDP's replicate dim, TP/EP dims), forward + backward: {kind: count}
+    collectives_by_mesh_dim: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
@@ -65,6 +67,8 @@ class Report:
             f"- the graphs as placed (every collective where FSDP2's hooks issue it, before the schedule's moves): "
             f"step {est(self.eager_est_step_ms, ' ms')}, "
             f"exposed communication {est(self.eager_est_exposed_comm_ms, ' ms')}, peak {mib(self.eager_est_peak_bytes)}",
+            *(f"- on mesh dim `{dim}`: " + ", ".join(f"{n} {kind.replace('_', '-')}" for kind, n in counts.items() if n)
+              for dim, counts in self.collectives_by_mesh_dim.items()),
             *(f"- repeated blocks {_blocks(r['blocks'])}: "
               + ("one compiled region" if r["region"] else f"compiled inline: {r['why']}") for r in self.regions),
             "",
@@ -115,6 +119,22 @@ def count_collectives(graphs) -> dict[str, int]:
         for kind, n in collective_counts(gm.graph).items():
             counts[kind] += n
     return counts
+
+
+def collectives_by_mesh_dim(graphs, mesh_dims: dict[str, str]) -> dict[str, dict[str, int]]:
+    """``count_collectives`` per mesh dim: ``mesh_dims`` names each process group (``ShardingPlan.
+    mesh_dim_of_groups``); a group it does not name is counted under its c10d name."""
+    from fsdp_compile.passes.predicates import counted_kind, process_group_name
+
+    out: dict[str, dict[str, int]] = {}
+    for gm in graphs:
+        for node in gm.graph.nodes:
+            kind = counted_kind(node)
+            if kind is not None:
+                name = process_group_name(node)
+                counts = out.setdefault(mesh_dims.get(name, name), {"all_gathers": 0, "reduce_scatters": 0, "all_reduces": 0})
+                counts[kind] += 1
+    return out
 
 
 def collective_bytes(graphs) -> dict[str, int]:

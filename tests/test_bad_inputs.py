@@ -64,10 +64,10 @@ def tensor_parallel_block():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
-    mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
+    mesh = init_device_mesh("cpu", (4, 2), mesh_dim_names=("dp", "tp"))
     m = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
     parallelize_module(m[0], mesh["tp"], ColwiseParallel())
-    fully_shard(m, mesh=mesh["dp"])
+    fully_shard(m, mesh=mesh["dp"], reshard_after_forward=2)  # FSDP2 refuses it for DTensor parameters
     return m
 
 
@@ -169,7 +169,8 @@ ROWS = [
     ("compiled twice", lambda tmp: fc.compile(fc.compile(llama())), TypeError, r"already compiled by fsdp_compile.compile"),
     ("meta parameters", compile_(meta_llama), ValueError, r"still on the meta device .*materialize them before training"),
     ("some parameters on meta", compile_(partly_meta_llama), ValueError, r"parameters are still on the meta device \(e.g. 'layers.1\."),
-    ("tensor parallel", compile_(tensor_parallel_block), NotImplementedError, r"already a DTensor before fully_shard .*not supported"),
+    ("int reshard_after_forward with tensor parallel", compile_(tensor_parallel_block), NotImplementedError,
+     r"reshard_after_forward=2 \(an int\) with parameter '0.weight' a DTensor .*FSDP2 itself does not support"),
     ("composable checkpoint", compile_(composable_checkpoint_llama), NotImplementedError,
      r"'layers.0' is checkpointed with torch.distributed._composable.checkpoint.*checkpoint_wrapper .*torch.utils.checkpoint.checkpoint"),
     ("dp_mesh_dims", compile_(spmd_mesh_llama), NotImplementedError, r"dp_mesh_dims=\.\.\.\) .*pass the data-parallel mesh"),

@@ -147,7 +147,30 @@ def test_layout_of_a_group(fake4):
     first = layout.params[1]
     assert first.sharded_param is m.layers[0].attention.wq.weight and first.placement == Shard(0)
     assert (first.param_dtype, first.orig_dtype) == (torch.bfloat16, torch.float32)
-    assert not first.was_dtensor and not first.all_gather_extension
+    assert first.unsharded_spec is None and not first.all_gather_extension
+    assert first.unsharded_shape == (64, 64)
+
+
+def test_layout_tensor_parallel():
+    """A parameter that was a DTensor before fully_shard: what its all-gather rebuilds is its TP-local
+    tensor, and its spec is the TP one (mesh, placements, global shape) the module is handed back."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    with fake_process_group(4, rank=3):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        m = nn.Sequential(nn.Linear(8, 6), nn.Linear(6, 8))
+        parallelize_module(m, mesh["tp"], {"0": ColwiseParallel(), "1": RowwiseParallel()})
+        fully_shard(m, mesh=mesh["dp"])
+        _, pg = _group(m, "")
+        params = {p.fqn: p for p in _fsdp2.layout(pg).params}
+        col, row, bias = params["0.weight"], params["1.weight"], params["1.bias"]
+        assert col.unsharded_shape == (3, 8) and tuple(col.unsharded_spec.shape) == (6, 8)
+        assert col.unsharded_spec.placements == (Shard(0),) and col.unsharded_spec.mesh.mesh_dim_names == ("tp",)
+        assert row.unsharded_shape == (8, 3) and row.unsharded_spec.placements == (Shard(1),)
+        assert bias.unsharded_shape == (8,) and bias.unsharded_spec.placements == (Replicate(),)
+        assert col.sharded_param.to_local().shape == (1, 8)  # dp rank 1 of the TP-local (3, 8): its last row
 
 
 def test_layout_hsdp_int_reshard_and_offload():

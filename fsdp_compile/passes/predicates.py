@@ -44,11 +44,12 @@ _OTHER_COLLECTIVE_OPS = frozenset(
     }
 )
 COLLECTIVE_OPS = ALL_GATHER_OPS | REDUCE_SCATTER_OPS | ALL_REDUCE_OPS | _OTHER_COLLECTIVE_OPS
-# what the report and the passes' records count, per step: FSDP's collectives (an out= all-gather too)
+# what the report and the passes' records count, per step: FSDP's collectives (an out= all-gather too) and
+# those of a model's own parallel plan (TP)
 _COUNTED = {
     **{op: "all_gathers" for op in ALL_GATHER_OPS | {_c10d.all_gather_into_tensor_out.default}},
     **{op: "reduce_scatters" for op in REDUCE_SCATTER_OPS},
-    **{op: "all_reduces" for op in ALL_REDUCE_OPS},
+    **{op: "all_reduces" for op in ALL_REDUCE_OPS | {_c10d.all_reduce_.default}},  # Inductor makes TP's in place
 }
 WAIT_OPS = frozenset({_c10d.wait_tensor.default})
 

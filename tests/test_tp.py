@@ -1,0 +1,75 @@
+"""FSDP composed with tensor and sequence parallelism, on the fake process group (no real ranks): the plan
+reads each TP parameter's local layout and spec, the report counts collectives per mesh dim, HSDP+TP puts
+each collective on its own dim's group, and what FSDP2 itself refuses is refused by name. The numerics
+against eager FSDP2+TP run on 4 gloo ranks in ``test_tp_multirank.py``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.tensor import Replicate, Shard
+
+import fsdp_compile as fc
+from dist_helpers import fake_process_group
+from tp_cases import TPCase, build
+
+
+def _explain(case: TPCase, world: int, rank: int):
+    with fake_process_group(world, rank=rank):
+        model, mesh = build(case)
+        tokens = torch.randint(0, 256, (2, 16))
+        return fc.explain(model, tokens, config=fc.CompileConfig(backend="aot_eager", bucket="fsdp_group")), model
+
+
+def test_plan_reads_tensor_parallel_layout():
+    with fake_process_group(4, rank=1):
+        from fsdp_compile.plan import read_plan
+
+        model, _ = build(TPCase(model="llama"))
+        plan = read_plan(model)
+        wq = next(p for g in plan.groups for p in g.params if p.fqn == "layers.0.attention.wq.weight")
+        wo = next(p for g in plan.groups for p in g.params if p.fqn == "layers.0.attention.wo.weight")
+        norm = next(p for g in plan.groups for p in g.params if p.fqn == "layers.0.attention_norm.weight")
+        # FSDP gathers the TP-local tensor; the module gets the DTensor of the TP plan back
+        assert wq.full_shape == (32, 64) and wq.parallel.shape == (64, 64) and wq.parallel.placements == (Shard(0),)
+        assert wo.full_shape == (64, 32) and wo.parallel.placements == (Shard(1),)
+        assert norm.full_shape == (64,) and norm.parallel.placements == (Replicate(),)
+        assert plan.group("layers.0").world_size == 2  # the dp dim only
+        assert set(plan.mesh_dim_of_groups().values()) == {"dp", "tp"}
+        fingerprint = plan.fingerprint()[1]["params"]
+        assert {p["parallel"] for p in fingerprint} == {"tp=Shard(dim=0)", "tp=Shard(dim=1)", "tp=Replicate()"}
+
+
+def test_explain_counts_collectives_per_mesh_dim():
+    """torchtitan's Llama plan with sequence parallelism: FSDP's collectives on dp, TP's on tp, and FSDP2's
+    redistribute of the norms' Partial gradients (all-reduces over tp) in the same backward graph."""
+    report, _ = _explain(TPCase(model="llama"), 4, 2)
+    assert report.graph_breaks == 0 and report.dynamo_graphs == 1
+    dims = report.collectives_by_mesh_dim
+    # 3 FSDP modules (2 blocks + root), reshard_after_forward=True: gathered in forward, again in backward
+    assert dims["dp"] == {"all_gathers": 6, "reduce_scatters": 3, "all_reduces": 0}
+    # sequence parallel: per block 2 all-gathers (into attention, into the MLP) and 2 reduce-scatters (out of
+    # them), 1 more each for the output; their transposes in backward; the 5 norms' gradients all-reduced
+    assert dims["tp"] == {"all_gathers": 10, "reduce_scatters": 10, "all_reduces": 5}
+    assert "on mesh dim `tp`: 10 all-gathers, 10 reduce-scatters, 5 all-reduces" in report.to_markdown()
+
+
+def test_hsdp_with_tensor_parallel_groups():
+    """HSDP + TP on a (replicate 2, shard 2, tp 2) mesh of 8 ranks: all-gathers and reduce-scatters on the
+    shard dim, the gradient all-reduce on the replicate dim, TP's collectives on tp."""
+    report, model = _explain(TPCase(model="llama", replicate=2), 8, 5)
+    dims = report.collectives_by_mesh_dim
+    assert dims["shard"] == {"all_gathers": 6, "reduce_scatters": 3, "all_reduces": 0}
+    assert dims["replicate"] == {"all_gathers": 0, "reduce_scatters": 0, "all_reduces": 3}
+    assert dims["tp"]["all_gathers"] == 10
+    placements = {str(p.placements) for p in model.parameters()}
+    assert "(Replicate(), _StridedShard(dim=0, sf=2), Shard(dim=0))" in placements
+
+
+def test_int_reshard_after_forward_with_tensor_parallel_refused():
+    """FSDP2's own post-forward reshard refuses DTensor parameters (``to_sharded_post_forward``): so do we,
+    at compile, naming the option and the parameter."""
+    with fake_process_group(8, rank=0):
+        model, _ = build(TPCase(model="mlp", reshard=2))
+        with pytest.raises(NotImplementedError, match=r"reshard_after_forward=2 \(an int\) with parameter 'blocks.0.0.weight'"):
+            fc.compile(model)
