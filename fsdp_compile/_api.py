@@ -226,7 +226,8 @@ class CompiledFSDPModule(nn.Module):
     def regions(self) -> list[dict]:
         """Per kind of repeated block: compiled once as a region, or inline and why (``Report.regions``)."""
         repeated = capture.find_repeated_blocks(self._orig_mod, self.plan)
-        return region_summary(repeated, self.captured.regions, self.config.regions)
+        fixed = {i: why for i, fqns in enumerate(repeated) if (why := capture.inline_reason(self.plan, fqns))}
+        return region_summary(repeated, self.captured.regions, self.config.regions, fixed)
 
     # The original model's state, unprefixed.
     def named_parameters(self, *args, **kwargs):
@@ -407,6 +408,7 @@ def explain_with_graphs(model: nn.Module, example_args, example_kwargs, config: 
         collectives_by_mesh_dim=collectives_by_mesh_dim(
             compiled.captured.forward + compiled.captured.backward, plan.mesh_dim_of_groups()
         ),
+        mesh_dims=plan.mesh_dim_of_groups(),
     ), compiled.captured
 
 

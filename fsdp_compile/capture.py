@@ -309,6 +309,21 @@ def _make_region(blocks: list[nn.Module], index: int):
     return torch.compiler.nested_compile_region(_unique_code(region_of, f"fsdp_compile_region_{index}")), names, True
 
 
+# Why a kind of repeated block is compiled inline before any trace (``passes/regions.py`` decides the rest
+# on the traced graphs).
+INLINE_PARALLEL = (
+    "its parameters are DTensors of tensor or expert parallelism, and torch 2.13's invoke_subgraph hands a "
+    "region's DTensor outputs back as plain tensors (measured on torchtitan's Llama3 with TP)"
+)
+
+
+def inline_reason(plan: ShardingPlan, fqns: list[str]) -> str | None:
+    """Why the blocks ``fqns`` (one kind) cannot run as a region at all, or None."""
+    if any(p.parallel is not None for f in fqns for p in plan.group(f).params):
+        return INLINE_PARALLEL
+    return None
+
+
 def install_regions(model: nn.Module, plan: ShardingPlan) -> list[list[str]]:
     """Route every repeated block's forward through its region while a compiled step runs with regions on
     (idempotent; outside a compiled step the block's own forward runs). Returns the repeated blocks: kind
@@ -318,7 +333,7 @@ def install_regions(model: nn.Module, plan: ShardingPlan) -> list[list[str]]:
     repeated = find_repeated_blocks(model, plan)
     for index, fqns in enumerate(repeated):
         blocks = [modules[f] for f in fqns]
-        if all(hasattr(b.forward, "fsdp_compile_region") for b in blocks):
+        if inline_reason(plan, fqns) is not None or all(hasattr(b.forward, "fsdp_compile_region") for b in blocks):
             continue
         region, names, pass_block = _make_region(blocks, index)
         for block in blocks:

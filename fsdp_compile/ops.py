@@ -320,6 +320,10 @@ def _(gathered, group_name):
 
 def _unshard_setup_context(ctx, inputs, output) -> None:
     shards, sinks, accumulated, args = inputs
+    # A parameter whose gathered tensor gets no gradient (used only through argmax, say) keeps .grad None and
+    # is not reduce-scattered, as in FSDP2's post-backward; materialized, it would be reduced as zeros and an
+    # optimizer would then step it (weight decay, Adam's moments) where eager leaves it alone.
+    ctx.set_materialize_grads(False)
     ctx.args = UnshardArgs.decode(args)
     ctx.local_rows = [s.shape[0] for s in shards]
     ctx.orig_dtypes = [s.dtype for s in shards]

@@ -44,6 +44,7 @@ class Report:
     regions: list[dict] = dataclasses.field(default_factory=list)
     # per mesh dim (FSDP's shard dim, HSDP's replicate dim, TP/EP dims), forward + backward: {kind: count}
     collectives_by_mesh_dim: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+    mesh_dims: dict[str, str] = dataclasses.field(default_factory=dict)  # process group name -> its mesh dim (timeline lanes)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
@@ -95,14 +96,17 @@ def _blocks(fqns: list[str]) -> str:
     return f"`{fqns[0]}` .. `{fqns[-1]}` ({len(fqns)})" if len(fqns) > 2 else ", ".join(f"`{f}`" for f in fqns)
 
 
-def region_summary(repeated: list[list[str]], decisions, enabled: bool) -> list[dict]:
+def region_summary(repeated: list[list[str]], decisions, enabled: bool, fixed: dict[int, str] | None = None) -> list[dict]:
     """``Report.regions``: kind ``i`` of ``repeated`` (``capture.install_regions``) runs as
-    ``fsdp_compile_region_<i>``; ``decisions`` are ``passes.regions.admit_regions``' for every call."""
+    ``fsdp_compile_region_<i>``; ``decisions`` are ``passes.regions.admit_regions``' for every call; ``fixed``:
+    kinds compiled inline whatever the trace (``capture.inline_reason``), and why."""
     out = []
     for i, blocks in enumerate(repeated):
         whys = [d.why for d in decisions if d.region == f"fsdp_compile_region_{i}"]
         if not enabled:
             why = "CompileConfig(regions=False)"
+        elif fixed and i in fixed:
+            why = fixed[i]
         elif not whys:
             why = "not called as a region in the captured step"
         else:
@@ -122,18 +126,19 @@ def count_collectives(graphs) -> dict[str, int]:
 
 
 def collectives_by_mesh_dim(graphs, mesh_dims: dict[str, str]) -> dict[str, dict[str, int]]:
-    """``count_collectives`` per mesh dim: ``mesh_dims`` names each process group (``ShardingPlan.
-    mesh_dim_of_groups``); a group it does not name is counted under its c10d name."""
-    from fsdp_compile.passes.predicates import counted_kind, process_group_name
+    """``count_collectives`` per mesh dim, and all-to-alls (expert parallelism's token dispatch) where there
+    are any: ``mesh_dims`` names each process group (``ShardingPlan.mesh_dim_of_groups``); a group it does
+    not name is counted under its c10d name."""
+    from fsdp_compile.passes.predicates import collective_kind, counted_kind, process_group_name
 
     out: dict[str, dict[str, int]] = {}
     for gm in graphs:
         for node in gm.graph.nodes:
-            kind = counted_kind(node)
+            kind = counted_kind(node) or ("all_to_alls" if collective_kind(node) == "all_to_all" else None)
             if kind is not None:
                 name = process_group_name(node)
                 counts = out.setdefault(mesh_dims.get(name, name), {"all_gathers": 0, "reduce_scatters": 0, "all_reduces": 0})
-                counts[kind] += 1
+                counts[kind] = counts.get(kind, 0) + 1
     return out
 
 

@@ -40,7 +40,7 @@ def test_plan_reads_tensor_parallel_layout():
         assert {p["parallel"] for p in fingerprint} == {"tp=Shard(dim=0)", "tp=Shard(dim=1)", "tp=Replicate()"}
 
 
-def test_explain_counts_collectives_per_mesh_dim():
+def test_explain_counts_collectives_per_mesh_dim(tmp_path):
     """torchtitan's Llama plan with sequence parallelism: FSDP's collectives on dp, TP's on tp, and FSDP2's
     redistribute of the norms' Partial gradients (all-reduces over tp) in the same backward graph."""
     report, _ = _explain(TPCase(model="llama"), 4, 2)
@@ -52,6 +52,10 @@ def test_explain_counts_collectives_per_mesh_dim():
     # them), 1 more each for the output; their transposes in backward; the 5 norms' gradients all-reduced
     assert dims["tp"] == {"all_gathers": 10, "reduce_scatters": 10, "all_reduces": 5}
     assert "on mesh dim `tp`: 10 all-gathers, 10 reduce-scatters, 5 all-reduces" in report.to_markdown()
+    # the timeline: TP's collectives on their own lane, named by the mesh dim, beside FSDP's
+    report.save_timeline(str(tmp_path / "timeline.html"))
+    page = (tmp_path / "timeline.html").read_text()
+    assert "comm tp (pg" in page and "comm dp (pg" in page
 
 
 def test_hsdp_with_tensor_parallel_groups():

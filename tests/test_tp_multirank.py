@@ -1,4 +1,4 @@
-"""FSDP + tensor/sequence parallelism on 4 gloo ranks (dp 2 x tp 2): ``fsdp_compile.compile`` against eager
+"""FSDP + tensor/sequence/expert parallelism on 4 gloo ranks (dp 2 x tp 2, efsdp 2 x ep 2): ``fsdp_compile.compile`` against eager
 FSDP2 with the same TP plan, same seed and batches. One spawned group runs every case (4 ranks on 2 cores
 are slow: few, small cases). Bitwise under aot_eager in fp32 and bf16 (the same ops in the same order);
 the Inductor case within a stated tolerance."""
@@ -16,6 +16,7 @@ CASES = [
     TPCase(model="llama", mp="bf16"),
     TPCase(model="llama", ac=True, ragged=True, planned=True),  # checkpoint_wrapper; batch shapes per dp rank; auto buckets
     TPCase(model="mlp", replicate=2),  # HSDP + TP: (replicate 2, shard 1, tp 2)
+    TPCase(model="moe", ragged=True),  # expert parallelism: all-to-all dispatch of data-dependent sizes
 ]
 INDUCTOR = TPCase(model="mlp", backend="inductor")
 
@@ -35,6 +36,10 @@ def test_bitwise_against_eager_fsdp2_tp(results, case):
         assert r["grad_placements"] == ["True"]  # gradients are DTensors of their parameters' placements
     # TP's collectives are in the graphs, on their own dim, beside FSDP's
     dims = results[0][case.name]["by_mesh_dim"]
+    if case.model == "moe":  # the dispatch and combine all-to-alls on ep; the experts' FSDP on efsdp
+        assert dims["ep"]["all_to_alls"] >= 4 and dims["efsdp"]["reduce_scatters"] == 1, dims
+        assert dims["fsdp"]["reduce_scatters"] == 1, dims
+        return
     fsdp_dim = "shard" if case.replicate > 1 else "dp"
     assert dims["tp"]["all_reduces"] > 0 if case.model == "mlp" else dims["tp"]["all_gathers"] > 0
     if case.replicate == 1:

@@ -30,7 +30,8 @@ What this file changes, each because CPU gloo ranks need it (none changes the ar
 * ``Decoder.Config.update_from_config`` is not called: it imports ``torchtitan.trainer`` (dataloaders,
   tensorboard, checkpointing: packages the test extra does not need) and, with ``partial_dtensor`` and data
   parallelism only, sets nothing these models use but the RoPE cache length (left at the config's; the
-  models read its first ``SEQ`` positions).
+  models read its first ``SEQ`` positions). With TP it also sets the model's sharding plan: the TP case
+  calls the function it calls for that, ``set_llama3_sharding_config``.
 * activation checkpointing only where a case asks for it (torchtitan's ``SelectiveAC`` / ``FullAC``
   configs, applied by its parallelize functions), torchtitan's own compile off (``CompileConfig()``):
   ``fsdp_compile`` compiles.
@@ -58,6 +59,7 @@ class TitanCase:
     n_layers: int = 2  # the first n layers of the debug model (DeepSeek-V3's first is dense, the rest MoE)
     ac: str | None = None  # None | "selective" | "full": torchtitan's SelectiveAC / FullAC configs
     loss: str = "ce"  # "ce": CrossEntropyLoss | "chunked": ChunkedLossWrapper (lm_head run by the loss)
+    tp: int = 1  # tensor_parallel_degree: torchtitan's apply_tp (sequence parallel, loss parallel)
 
     @property
     def name(self) -> str:
@@ -68,6 +70,8 @@ class TitanCase:
             parts.append(f"ac={self.ac}")
         if self.loss != "ce":
             parts.append(f"loss={self.loss}")
+        if self.tp > 1:
+            parts.append(f"tp{self.tp}")
         return "-".join(parts)
 
 
@@ -105,11 +109,11 @@ def _on_cpu():
         module.device_type = "cpu"
 
 
-def _parallel_dims(world_size: int):
+def _parallel_dims(world_size: int, tp: int = 1):
     from torchtitan.config import ParallelismConfig
     from torchtitan.distributed import ParallelDims
 
-    parallelism = ParallelismConfig(spmd_backend="partial_dtensor")
+    parallelism = ParallelismConfig(spmd_backend="partial_dtensor", tensor_parallel_degree=tp)
     dims = ParallelDims.from_config(parallelism, world_size)
     dims.build_mesh()
     return dims, parallelism
@@ -144,6 +148,11 @@ def build(case, dims, parallelism, dump_folder: str):
     from torchtitan.config import CompileConfig, TrainingConfig
 
     cfg, parallelize = _model_config(case.model, case.n_layers)
+    if case.tp > 1:  # what update_from_config does for TP: torchtitan's own Llama3 sharding plan
+        from torchtitan.models.llama3.sharding import set_llama3_sharding_config
+
+        assert case.model == "llama3", "the TP cases use torchtitan's Llama3 plan"
+        set_llama3_sharding_config(cfg, enable_sp=parallelism.enable_sequence_parallel)
     training = TrainingConfig(local_batch_size=BATCH, seq_len=SEQ)
     ac_config = None
     if case.ac == "selective":
@@ -236,7 +245,8 @@ def run_case(case: TitanCase, rank: int, world_size: int, dims, parallelism, tmp
                            "counter_diff", "param_diff", "buffer_diff", "update_cos")}
     batch_mesh = dims.get_mesh("batch")
     for step in range(case.steps):
-        g = torch.Generator().manual_seed(1000 * step + rank)
+        # the same batch on the ranks of one TP group (TP's contract), another per batch rank
+        g = torch.Generator().manual_seed(1000 * step + batch_mesh.get_local_rank())
         tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
         labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
         labels[0, :3] = IGNORE_INDEX  # a few ignored labels: the global valid-token count is not B * L * W
@@ -245,6 +255,7 @@ def run_case(case: TitanCase, rank: int, world_size: int, dims, parallelism, tmp
             # Trainer.train_step, without gradient accumulation, pipeline or context parallelism
             opts.zero_grad(set_to_none=training.disable_cuda_graphs)  # False: gradients zeroed in place
             global_valid_tokens = dist_utils.dist_sum_tensor((labels != IGNORE_INDEX).sum(), batch_mesh)
+            # with TP the logits stay sharded over the vocabulary: torchtitan's loss is vocab-parallel
             pred = forward(tokens)
             loss, _ = loss_fn(pred, labels, global_valid_tokens)
             loss.backward()
@@ -272,6 +283,7 @@ def run_case(case: TitanCase, rank: int, world_size: int, dims, parallelism, tmp
     out["expert_bias"] = sum(float(b.abs().sum()) for n, b in comp.named_buffers() if n.endswith("expert_bias_E"))
     out["dynamo_graphs"] = len(compiled.captured.dynamo)
     out["regions"] = compiled.regions()
+    out["param_meshes"] = sorted({str(p.device_mesh.mesh_dim_names) for p in comp.parameters()})
     out["param_dtype"] = str(eager.layers["0"]._get_fsdp_state()._fsdp_param_group.mp_policy.param_dtype)
     return out
 
@@ -282,7 +294,7 @@ def titan_worker(rank: int, world_size: int, cases: list[TitanCase]) -> dict:
     from torch._dynamo.utils import counters
 
     _on_cpu()
-    dims, parallelism = _parallel_dims(world_size)
+    dims, parallelism = _parallel_dims(world_size, max(c.tp for c in cases))
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for case in cases:

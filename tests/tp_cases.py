@@ -1,4 +1,4 @@
-"""FSDP composed with tensor and sequence parallelism: eager FSDP2 + TP against ``fsdp_compile.compile``.
+"""FSDP composed with tensor, sequence and expert parallelism: eager FSDP2 + TP/EP against ``fsdp_compile.compile``.
 
 Each case builds a model, parallelizes it with ``torch.distributed.tensor.parallel`` on the ``tp`` dim of
 a (dp, tp) mesh (or (replicate, shard, tp) for HSDP), shards it with torch's ``fully_shard`` over the data
@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, loss_parallel, parallelize_module,
 )
@@ -28,7 +28,9 @@ from parity import max_diff
 
 @dataclasses.dataclass(frozen=True)
 class TPCase:
-    model: str = "mlp"  # mlp (ColwiseParallel -> RowwiseParallel) | llama (torchtitan's plan: SP, loss_parallel)
+    # mlp (ColwiseParallel -> RowwiseParallel) | llama (torchtitan's plan: SP, loss_parallel) | moe (expert
+    # parallelism: experts Shard(0) on an ep mesh, FSDP over efsdp, all-to-all dispatch of data-dependent sizes)
+    model: str = "mlp"
     tp: int = 2
     replicate: int = 1  # > 1: HSDP, a (replicate, shard, tp) mesh
     reshard: bool | int = True
@@ -73,20 +75,99 @@ class MLP(nn.Module):
 _MESHES: dict[tuple, object] = {}
 
 
-def mesh_for(case: TPCase):
+def _mesh(shape: tuple, names: tuple):
     """One mesh per shape per process group, as a job builds it once: DTensor caches sharding decisions
     with the mesh in them, and meshes compare equal by layout alone, so a second mesh of the same shape
     (on new groups) would meet the first one in those caches (``dist_helpers.forget_meshes``)."""
-    world = dist.get_world_size()
-    if case.replicate > 1:
-        shape, names = (case.replicate, world // case.replicate // case.tp, case.tp), ("replicate", "shard", "tp")
-    else:
-        shape, names = (world // case.tp, case.tp), ("dp", "tp")
     key = (id(dist.distributed_c10d._get_default_group()), shape, names)
     if key not in _MESHES:
-        _MESHES.clear()
+        if any(k[0] != key[0] for k in _MESHES):
+            _MESHES.clear()
         _MESHES[key] = init_device_mesh("cpu", shape, mesh_dim_names=names)
     return _MESHES[key]
+
+
+def mesh_for(case: TPCase):
+    world = dist.get_world_size()
+    if case.model == "moe":  # torchtitan's expert layout: experts over (efsdp, ep), dense layers over fsdp
+        return _mesh((world // case.tp, case.tp), ("efsdp", "ep"))
+    if case.replicate > 1:
+        return _mesh((case.replicate, world // case.replicate // case.tp, case.tp), ("replicate", "shard", "tp"))
+    return _mesh((world // case.tp, case.tp), ("dp", "tp"))
+
+
+E, D, H = 4, 8, 12  # the MoE's experts, model dim, expert hidden dim
+
+
+class Experts(nn.Module):
+    """Expert weights [E, ...]: under expert parallelism DTensors Shard(0) on the ep mesh, of which each rank
+    runs its local experts (torchtitan's GroupedExperts takes ``to_local()`` the same way)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(E, D, H) * D**-0.5)
+        self.w2 = nn.Parameter(torch.randn(E, H, D) * H**-0.5)
+
+    def forward(self, x, local_ids):
+        w1 = self.w1.to_local() if isinstance(self.w1, DTensor) else self.w1
+        w2 = self.w2.to_local() if isinstance(self.w2, DTensor) else self.w2
+        h = F.gelu(torch.bmm(x.unsqueeze(1), w1[local_ids])).squeeze(1)
+        return torch.bmm(h.unsqueeze(1), w2[local_ids]).squeeze(1)
+
+
+class MoE(nn.Module):
+    """Top-1 routing with torchtitan's TokenDispatcher pattern: tokens sorted by expert, counts exchanged by
+    an all-to-all, split sizes read with ``.tolist()`` (data-dependent), tokens dispatched and combined by
+    all-to-alls of those sizes over the ep group."""
+
+    def __init__(self, ep_mesh):
+        super().__init__()
+        self.router = nn.Linear(D, E, bias=False)  # used through argmax only: no gradient, as in eager
+        self.experts = Experts()
+        self.ep_mesh = ep_mesh
+
+    def forward(self, x):
+        from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
+
+        tokens = x.reshape(-1, D)
+        ids = self.router(tokens).argmax(-1)
+        order = ids.argsort(stable=True)
+        counts = torch.bincount(ids, minlength=E)
+        ep, group = self.ep_mesh.size(), self.ep_mesh.get_group()
+        received = all_to_all_single(counts, None, None, group)
+        input_splits = counts.view(ep, -1).sum(1).tolist()
+        output_splits = received.view(ep, -1).sum(1).tolist()
+        routed = all_to_all_single_autograd(tokens[order], output_splits, input_splits, group)
+        local_ids = all_to_all_single(ids[order] % (E // ep), output_splits, input_splits, group)
+        out = all_to_all_single_autograd(self.experts(routed, local_ids), input_splits, output_splits, group)
+        return x + torch.empty_like(out).index_copy(0, order, out).view_as(x)
+
+
+class MoEModel(nn.Module):
+    def __init__(self, ep_mesh):
+        super().__init__()
+        self.inp = nn.Linear(D, D)
+        self.moe = MoE(ep_mesh)
+        self.out = nn.Linear(D, 4)
+
+    def forward(self, x):
+        return self.out(self.moe(self.inp(x)))
+
+
+def _build_moe(case: TPCase):
+    """Experts distributed Shard(0) over ep, then fully_shard over efsdp (the experts' own data-parallel
+    mesh), the rest over all ranks, as torchtitan's apply_moe_ep_tp / apply_fsdp lay them out."""
+    from torch.distributed.tensor import distribute_tensor
+
+    mesh = mesh_for(case)
+    torch.manual_seed(0)
+    m = MoEModel(mesh["ep"])
+    for name in ("w1", "w2"):
+        p = getattr(m.moe.experts, name)
+        setattr(m.moe.experts, name, nn.Parameter(distribute_tensor(p.data, mesh["ep"], [Shard(0)])))
+    fully_shard(m.moe.experts, mesh=mesh["efsdp"], reshard_after_forward=case.reshard)
+    fully_shard(m, mesh=_mesh((dist.get_world_size(),), ("fsdp",)), reshard_after_forward=case.reshard)
+    return m, mesh
 
 
 def llama_tp_plan(model: Llama, tp_mesh) -> None:
@@ -113,6 +194,8 @@ def llama_tp_plan(model: Llama, tp_mesh) -> None:
 
 
 def build(case: TPCase):
+    if case.model == "moe":
+        return _build_moe(case)
     mesh = mesh_for(case)
     torch.manual_seed(0)
     if case.model == "mlp":
@@ -163,13 +246,16 @@ def batch(case: TPCase, step: int):
     """The same batch on every rank of a TP group (TP's contract), another per data-parallel rank."""
     dp_rank = dist.get_rank() // case.tp
     g = torch.Generator().manual_seed(1000 * step + dp_rank)
+    if case.model == "moe":  # every rank data-parallel (the experts see each other's tokens by all-to-all)
+        g = torch.Generator().manual_seed(1000 * step + dist.get_rank())
+        return torch.randn(2, 5 + (dist.get_rank() if case.ragged else 0), D, generator=g)
     if case.model == "mlp":
         return torch.randn(4 + (2 * dp_rank if case.ragged else 0), 16, generator=g)
     return torch.randint(0, 256, (2, 16 + (8 * dp_rank if case.ragged else 0)), generator=g)
 
 
 def loss_of(case: TPCase, out, x):
-    if case.model == "mlp":
+    if case.model in ("mlp", "moe"):
         return out.float().pow(2).mean()
     return F.cross_entropy(out.flatten(0, 1).float(), x.flatten())
 

@@ -16,20 +16,23 @@ COMPUTE = "#8C8C8C"
 
 def _label(groups: list[str]) -> str:
     names = [g or "root" for g in groups]
+    if not names:  # not FSDP's: a collective of the model's own parallel plan (TP), on its own lane
+        return ""
     return names[0] if len(names) == 1 else f"{names[0]}..{names[-1]} ({len(names)})"
 
 
-def _rows(graph: dict) -> tuple[list[str], list[dict]]:
+def _rows(graph: dict, mesh_dims: dict[str, str] | None = None) -> tuple[list[str], list[dict]]:
     sched = graph["after"]
     groups = sorted({c["process_group"] for c in sched["collectives"]})
-    rows = ["compute"] + [f"comm (pg {g})" for g in groups]
+    dims = mesh_dims or {}  # one lane per process group, named by its mesh dim where the report knows it (dp, tp, ...)
+    rows = ["compute"] + [f"comm {dims[g]} (pg {g})" if g in dims else f"comm (pg {g})" for g in groups]
     bars = []
     stalls = []
     for c in sched["collectives"]:
         row = 1 + groups.index(c["process_group"])
         bars.append({"row": row, "start": c["start"], "end": c["end"], "color": COLORS.get(c["kind"], "#937860"),
                      "label": _label(c["fsdp_groups"]), "exposed": c["exposed"], "title":
-                     f"{c['name']}: {c['kind']} of {c['bytes'] / 2**20:.2f} MiB for {', '.join(g or 'root' for g in c['fsdp_groups'])}; "
+                     f"{c['name']}: {c['kind']} of {c['bytes'] / 2**20:.2f} MiB for {', '.join(g or 'root' for g in c['fsdp_groups']) or 'the model'}; "
                      f"{c['duration'] * 1e3:.3f} ms, hidden {c['hidden'] * 1e3:.3f} ms, exposed {c['exposed'] * 1e3:.3f} ms"})
         if c["exposed"] > 0 and c["wait_at"] is not None:
             stalls.append((c["wait_at"], c["exposed"], c["name"]))
@@ -63,10 +66,10 @@ def _png(report, graphs, path: str) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    height = 0.8 + sum(1.0 + 0.45 * len(_rows(g)[0]) for g in graphs)
+    height = 0.8 + sum(1.0 + 0.45 * len(_rows(g, report.mesh_dims)[0]) for g in graphs)
     fig, axes = plt.subplots(len(graphs), 1, figsize=(13, height), squeeze=False)
     for ax, graph in zip(axes[:, 0], graphs):
-        rows, bars = _rows(graph)
+        rows, bars = _rows(graph, report.mesh_dims)
         step_ms = graph["after"]["step_time"] * 1e3
         ax.barh(0, step_ms, left=0, height=0.5, color=COMPUTE, alpha=0.35)
         for bar in bars:
@@ -100,7 +103,7 @@ def _html(report, graphs, path: str) -> None:
              "<p>Rows: the compute stream (grey: busy; red: waiting on a collective) and one communication stream "
              "per process group (blue: all-gather, orange: reduce-scatter). Hover a bar for its figures.</p>"]
     for graph in graphs:
-        rows, bars = _rows(graph)
+        rows, bars = _rows(graph, report.mesh_dims)
         step = graph["after"]["step_time"] or 1e-9
         scale = (width - left - 10) / step
         height = row_h * len(rows) + 30
