@@ -2,6 +2,7 @@
 the fake process group at world sizes 8 to 1024, scored by fsdp_compile's cost model and simulator.
 
     python bench/scale_sim.py [--sizes llama3-8b llama3-70b] [--world-sizes 8 16 64 256 1024] [--quick]
+    python bench/scale_sim.py --sizes llama3-70b --world-sizes 512 --tp 8     # FSDP 64 x TP 8
 
 For every (model, world size, hardware profile) the forward and backward graphs are captured as
 ``fsdp_compile.compile`` would hand them to Inductor, and four schedules are scored by the same simulator:
@@ -18,7 +19,11 @@ compute time = FLOPs / (0.7 x dense peak) for matmul-like ops, bytes / (0.85 x H
 rest; collectives by an alpha-beta ring model (h100-nvlink: 360 GB/s bus bandwidth inside a node;
 h100-ib: 45 GB/s per GPU across nodes, 5 us per ring step); memory = live tensor bytes with graph inputs
 live throughout. Batch 1 x 2048 tokens per rank, bf16 compute (MixedPrecisionPolicy), fp32 reduce.
-Writes bench/results/scale_sim.json and scale_sim.png.
+With --tp N: torchtitan's TP plan (``fsdp_compile.models.tensor_parallel``, sequence parallel) on the tp dim
+of a (W/N, N) mesh and FSDP over the W/N dp ranks; TP's collectives are in every variant's graphs, priced
+like FSDP's on their own group (a group of at most 8 ranks on the intra-node link), and stay where the
+model issues them (no variant moves them).
+Writes bench/results/scale_sim.json and scale_sim.png (scale_sim_tp<N>_<sizes>.* with --tp).
 """
 
 from __future__ import annotations
@@ -42,33 +47,55 @@ from fsdp_compile import passes  # noqa: E402
 from fsdp_compile.debug import explain_graphs  # noqa: E402
 from fsdp_compile.passes.schedule import eager_fsdp2  # noqa: E402
 from fsdp_compile.plan import read_plan  # noqa: E402
-from fsdp_compile.models import SIZES, Llama, llama_blocks  # noqa: E402
+from fsdp_compile.models import SIZES, Llama, llama_blocks, tensor_parallel  # noqa: E402
 
 VARIANTS = ("eager-equivalent", "eager FSDP2", "fc default", "torch 2.13 passes")
 
 
-def capture(size: str, world: int, seq: int, hardware: str, **config):
+def capture(size: str, world: int, seq: int, hardware: str, tp: int = 1, **config):
     """Forward and backward graphs of one training step (after our passes), and the schedule applied."""
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
         with torch.device("meta"):
             model = Llama(SIZES[size])
+        mesh = {}
+        if tp > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            dp_tp = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))
+            tensor_parallel(model, dp_tp["tp"])
+            mesh = {"mesh": dp_tp["dp"]}
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for block in llama_blocks(model):
-            fully_shard(block, mp_policy=mp)
-        fully_shard(model, mp_policy=mp)
+            fully_shard(block, mp_policy=mp, **mesh)
+        fully_shard(model, mp_policy=mp, **mesh)
         tokens = torch.randint(0, 128, (1, seq), device="meta")
         report, captured = explain_graphs(model, tokens, config=fc.CompileConfig(backend="inductor", hardware=hardware, **config))
         return [captured.forward[0], captured.backward[0]], report, passes.modules_of(read_plan(model))
     finally:
         dist.destroy_process_group()
+        _forget_meshes()
 
 
-def score(graphs, hardware: str, variant: str, world: int, schedule=None) -> dict:
+def _forget_meshes() -> None:
+    """DTensor caches sharding decisions with the mesh in them, and meshes compare equal by layout alone:
+    the next capture's mesh (on a new fake process group) must not meet this one there."""
+    from torch.distributed.tensor import DTensor
+
+    torch._C._clear_DTensor_sharding_propagator_cache()
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+
+
+def score(graphs, hardware: str, variant: str, world: int, schedule=None, tp: int = 1) -> dict:
     out = {"step_ms": 0.0, "exposed_comm_ms": 0.0, "peak_bytes": 0, "all_gathers": 0, "reduce_scatters": 0}
-    # the torch passes resolve process groups by name: score them under a fake group of the same size
+    # the torch passes and the all-reduces' sizes resolve process groups by name: score them under a fake
+    # group of the same size, with the mesh made again in the same order (so its groups get the same names)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
+        if tp > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))
         for gm in graphs:
             gm = copy.deepcopy(gm)
             cost = passes.cost_model_for(hardware, gm.graph)
@@ -97,6 +124,7 @@ def main():
     ap.add_argument("--world-sizes", nargs="+", type=int, default=[8, 16, 64, 256, 1024])
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--quick", action="store_true", help="llama3-8b at world sizes 8 and 64 only")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel degree: FSDP over world/tp ranks")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
     if args.quick:
@@ -107,8 +135,8 @@ def main():
         for world in args.world_sizes:
             profiles = ["h100-nvlink", "h100-ib"] if world <= 8 else ["h100-ib"]
             for hardware in profiles:
-                placed, _, modules = capture(size, world, args.seq, hardware, bucket="fsdp_group", reorder=False)
-                ours, report, _ = capture(size, world, args.seq, hardware)
+                placed, _, modules = capture(size, world, args.seq, hardware, args.tp, bucket="fsdp_group", reorder=False)
+                ours, report, _ = capture(size, world, args.seq, hardware, args.tp)
                 plan = report.schedule
                 eager = passes.Schedule(
                     units=tuple(eager_fsdp2(modules)), policy="eager FSDP2", workload=plan["workload"],
@@ -117,13 +145,13 @@ def main():
                 for variant in VARIANTS:
                     graphs = ours if variant == "fc default" else placed
                     try:
-                        r = score(graphs, hardware, variant, world, eager)
+                        r = score(graphs, hardware, variant, world, eager, args.tp)
                     except Exception as e:  # noqa: BLE001 - a pass that fails is a result, reported as such
                         r = {"error": f"{type(e).__name__}: {e}"[:300]}
                     if variant == "fc default":
                         r["planning_ms"] = report.planning_ms
                         r["units"] = len(plan["units"])
-                    rows.append({"model": size, "world_size": world, "hardware": hardware, "variant": variant, **r})
+                    rows.append({"model": size, "world_size": world, "tp": args.tp, "hardware": hardware, "variant": variant, **r})
                     sys.stderr.write(f"[{time.monotonic() - t0:6.0f}s] {size} W={world} {hardware} {variant}: "
                                      f"{r.get('step_ms', float('nan')):.1f} ms, exposed {r.get('exposed_pct', float('nan')):.1f}%\n")
     print(__doc__.split("Model assumptions")[1].split("Writes")[0].strip().replace("\n", " "))
@@ -137,9 +165,10 @@ def main():
         print(f"| {r['model']} | {r['world_size']} | {r['hardware']} | {r['variant']} | {r['step_ms']:.1f} | "
               f"{r['exposed_comm_ms']:.2f} ({r['exposed_pct']:.1f}%) | {r['peak_bytes'] / 2**30:.2f} | "
               f"{r['all_gathers']}/{r['reduce_scatters']} | {planning} |")
-    H.write_json(os.path.join(args.out, "scale_sim.json"), {"machine": H.machine(), "config": vars(args), "rows": rows})
-    _plot(rows, os.path.join(args.out, "scale_sim.png"))
-    print(f"wrote {args.out}/scale_sim.json and .png")
+    stem = "scale_sim" + (f"_tp{args.tp}_{'_'.join(args.sizes)}" if args.tp > 1 else "")
+    H.write_json(os.path.join(args.out, f"{stem}.json"), {"machine": H.machine(), "config": vars(args), "rows": rows})
+    _plot(rows, os.path.join(args.out, f"{stem}.png"))
+    print(f"wrote {args.out}/{stem}.json and .png")
 
 
 def _plot(rows, path):

@@ -1,5 +1,6 @@
 """A Llama-style decoder (RMSNorm, RoPE, SwiGLU, optional tied embeddings) for the demo, the tests and
-the benchmarks, with named sizes. Plain PyTorch: nothing here knows about sharding."""
+the benchmarks, with named sizes, and torchtitan's tensor-parallel plan for it (``tensor_parallel``).
+Plain PyTorch: nothing here knows about FSDP."""
 
 from __future__ import annotations
 
@@ -131,6 +132,40 @@ SIZES = {
     "llama3-8b": LlamaArgs(vocab=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, max_seq=8192),
     "llama3-70b": LlamaArgs(vocab=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672, max_seq=8192),
 }
+
+
+def tensor_parallel(model: Llama, tp_mesh, loss_parallel: bool = False) -> Llama:
+    """torchtitan's Llama TP plan (``torchtitan/models/llama3/parallelize.py: apply_tp``) on ``tp_mesh``:
+    sequence-parallel norms, column-parallel q/k/v and w1/w3 taking the sequence-sharded activations whole,
+    row-parallel wo and w2 back to sequence shards, a vocabulary-sharded embedding. ``loss_parallel``: the
+    logits stay sharded over the vocabulary (compute the loss under ``loss_parallel()``); otherwise they
+    come back whole. Before ``fully_shard``, as with any parallel plan."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, parallelize_module,
+    )
+
+    parallelize_module(model, tp_mesh, {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                  use_local_output=not loss_parallel),
+    })
+    for block in model.layers:
+        parallelize_module(block, tp_mesh, {
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            "feed_forward.w3": ColwiseParallel(),
+        })
+    return model
 
 
 def llama_blocks(model: Llama):

@@ -17,6 +17,7 @@ CASES = [
     TPCase(model="llama", ac=True, ragged=True, planned=True),  # checkpoint_wrapper; batch shapes per dp rank; auto buckets
     TPCase(model="mlp", replicate=2),  # HSDP + TP: (replicate 2, shard 1, tp 2)
     TPCase(model="moe", ragged=True),  # expert parallelism: all-to-all dispatch of data-dependent sizes
+    TPCase(model="hf_llama"),  # transformers' LlamaForCausalLM with its own TP plan, applied by transformers
 ]
 INDUCTOR = TPCase(model="mlp", backend="inductor")
 
@@ -41,7 +42,8 @@ def test_bitwise_against_eager_fsdp2_tp(results, case):
         assert dims["fsdp"]["reduce_scatters"] == 1, dims
         return
     fsdp_dim = "shard" if case.replicate > 1 else "dp"
-    assert dims["tp"]["all_reduces"] > 0 if case.model == "mlp" else dims["tp"]["all_gathers"] > 0
+    # row-parallel outputs all-reduced (mlp, transformers' plan), or sequence-parallel all-gathers (llama)
+    assert dims["tp"]["all_reduces"] > 0 if case.model != "llama" else dims["tp"]["all_gathers"] > 0
     if case.replicate == 1:
         assert dims[fsdp_dim]["all_gathers"] > 0 and dims[fsdp_dim]["reduce_scatters"] > 0
     else:

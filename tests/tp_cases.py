@@ -17,12 +17,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, loss_parallel, parallelize_module,
-)
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
 
-from fsdp_compile.models import Llama, LlamaArgs
+from fsdp_compile.models import Llama, LlamaArgs, tensor_parallel
 from parity import max_diff
 
 
@@ -30,6 +28,7 @@ from parity import max_diff
 class TPCase:
     # mlp (ColwiseParallel -> RowwiseParallel) | llama (torchtitan's plan: SP, loss_parallel) | moe (expert
     # parallelism: experts Shard(0) on an ep mesh, FSDP over efsdp, all-to-all dispatch of data-dependent sizes)
+    # | hf_llama (transformers' LlamaForCausalLM with its own TP plan, model.tp_plan, applied by transformers)
     model: str = "mlp"
     tp: int = 2
     replicate: int = 1  # > 1: HSDP, a (replicate, shard, tp) mesh
@@ -170,32 +169,30 @@ def _build_moe(case: TPCase):
     return m, mesh
 
 
-def llama_tp_plan(model: Llama, tp_mesh) -> None:
-    """torchtitan's Llama TP plan (``torchtitan/models/llama3/parallelize.py: apply_tp``), with loss parallel."""
-    parallelize_module(model, tp_mesh, {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "norm": SequenceParallel(),
-        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
-    })
-    for block in model.layers:
-        parallelize_module(block, tp_mesh, {
-            "attention_norm": SequenceParallel(),
-            "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-            "ffn_norm": SequenceParallel(),
-            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-            "feed_forward.w3": ColwiseParallel(),
-        })
+def _build_hf_llama(case: TPCase):
+    """transformers' own TP: ``model.tp_plan`` (the config's ``base_model_tp_plan`` and its head's) expanded
+    and applied by ``transformers.distributed.tensor_parallel.apply_tensor_parallelism``, the DTensor path
+    ``from_pretrained(tp_plan=...)`` takes; then fully_shard per decoder layer and the root over dp."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+    mesh = mesh_for(case)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=64, attn_implementation="sdpa")
+    m = LlamaForCausalLM(cfg)
+    apply_tensor_parallelism(m, mesh["tp"], m._expand_parallel_plan(m.tp_plan))
+    for layer in m.model.layers:
+        fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=case.reshard)
+    fully_shard(m, mesh=mesh["dp"], reshard_after_forward=case.reshard)
+    return m, mesh
 
 
 def build(case: TPCase):
     if case.model == "moe":
         return _build_moe(case)
+    if case.model == "hf_llama":
+        return _build_hf_llama(case)
     mesh = mesh_for(case)
     torch.manual_seed(0)
     if case.model == "mlp":
@@ -216,7 +213,7 @@ def build(case: TPCase):
             inner = b._checkpoint_wrapped_module if case.ac else b
             parallelize_module(inner, tp_mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
     else:
-        llama_tp_plan(_unwrapped(m, case.ac), tp_mesh)
+        tensor_parallel(_unwrapped(m, case.ac), tp_mesh, loss_parallel=True)
     blocks = list(m.blocks if case.model == "mlp" else m.layers)
     dp_mesh = mesh["replicate", "shard"] if case.replicate > 1 else mesh["dp"]
     kwargs = {"mesh": dp_mesh, "reshard_after_forward": case.reshard}
@@ -255,6 +252,8 @@ def batch(case: TPCase, step: int):
 
 
 def loss_of(case: TPCase, out, x):
+    if case.model == "hf_llama":
+        return F.cross_entropy(out.logits.flatten(0, 1).float(), x.flatten())
     if case.model in ("mlp", "moe"):
         return out.float().pow(2).mean()
     return F.cross_entropy(out.flatten(0, 1).float(), x.flatten())
