@@ -77,3 +77,33 @@ def test_int_reshard_after_forward_with_tensor_parallel_refused():
         model, _ = build(TPCase(model="mlp", reshard=2))
         with pytest.raises(NotImplementedError, match=r"reshard_after_forward=2 \(an int\) with parameter 'blocks.0.0.weight'"):
             fc.compile(model)
+
+
+def test_schedule_moves_fsdp_collectives_not_tp_ones():
+    """A schedule that prefetches and defers FSDP's collectives (reorder=True, priced for h100-ib at 16 ranks:
+    dp 8 x tp 2) leaves TP's where the model issues them: the same order, after the same compute, as in
+    the capture without any schedule."""
+    from fsdp_compile.debug import explain_graphs
+    from fsdp_compile.passes.predicates import collective_kind, fsdp_meta, process_group_name
+
+    def tp_sequence(config):
+        with fake_process_group(16, rank=3):
+            model, _ = build(TPCase(model="llama"))
+            report, captured = explain_graphs(model, torch.randint(0, 256, (2, 16)), config=config)
+            dims = report.mesh_dims
+            seqs = []
+            for g in captured.forward[:1] + captured.backward[:1]:
+                nodes = list(g.graph.nodes)
+                # each TP collective with the op right before it that is neither a collective nor FSDP's
+                seqs.append([
+                    (collective_kind(n), next(p.target for p in reversed(nodes[:i])
+                                              if p.op == "call_function" and not collective_kind(p) and fsdp_meta(p) is None))
+                    for i, n in enumerate(nodes) if collective_kind(n) and dims.get(process_group_name(n)) == "tp"
+                ])
+            return seqs, sum(len(r["moves"]) for r in report.graphs)
+
+    planned, moves = tp_sequence(fc.CompileConfig(backend="aot_eager", bucket="fsdp_group", reorder=True, hardware="h100-ib"))
+    placed, none = tp_sequence(fc.CompileConfig(backend="aot_eager", bucket="fsdp_group", reorder=False))
+    assert moves > 0 and none == 0
+    assert len(planned[0]) == 10  # sequence parallel: 5 all-gathers, 5 reduce-scatters in forward
+    assert planned == placed
