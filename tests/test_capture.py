@@ -73,6 +73,7 @@ def _graph_code(rank, world_size):
         return [gm.code for gm in compiled.captured.forward + compiled.captured.backward]
 
 
+@pytest.mark.slow
 def test_graphs_identical_on_every_rank():
     """No rank is baked into the graphs: with even shards every rank compiles the same code."""
     assert _graph_code(0, 8) == _graph_code(5, 8)
@@ -105,6 +106,7 @@ def test_collectives_placed_like_eager():
     assert names.index("all_gather_into_tensor_1") < first < names.index("all_gather_into_tensor_2")
 
 
+@pytest.mark.slow
 def test_new_sequence_length_recompiles_once_dynamic():
     with fake_process_group(4):
         compiled = fc.compile(llama(2), backend="aot_eager")
@@ -123,6 +125,7 @@ def test_reshard_false_saves_unsharded_params():
     assert report.backward["all_gathers"] == 0 and report.reduce_scatters == 3
 
 
+@pytest.mark.slow
 def test_many_compiled_models_in_one_process():
     """Each compiled model has its own Dynamo cache entry: no recompile-limit eviction across models."""
     with fake_process_group(2):
@@ -343,6 +346,7 @@ def test_inductor_keeps_the_overlap(tmp_path):
         assert in_graph >= 2 and generated >= in_graph, (kind, in_graph, generated)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("reshard, ranks, kernels", [(True, (0, 3), "torch"), (True, (0, 3), "triton"), (2, (0, 1), "torch")])
 def test_no_rank_in_the_graphs(reshard, ranks, kernels):
     """Two ranks of 4 capture the same Dynamo, forward and backward graphs (evenly sharded): nothing in

@@ -28,6 +28,7 @@ def dump(tmp_path_factory):
     return out, trace, proc
 
 
+@pytest.mark.slow
 def test_dump_writes_every_stage(dump):
     out, _, proc = dump
     names = sorted(os.listdir(out))
@@ -83,6 +84,7 @@ def test_report_rerenders_a_dump(dump, tmp_path):
     assert (out / "report.md").read_text() == before and (out / "timeline.png").exists()
 
 
+@pytest.mark.slow
 def test_explain_json(tmp_path):
     proc = run(["explain", "--model", "tiny", "--world-size", "4", "--bucket", "fsdp_group", "--no-reorder", "--json"], tmp_path)
     assert proc.returncode == 0, proc.stderr
@@ -135,6 +137,7 @@ def test_errors_are_one_line_exit_2(tmp_path, args, message):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_user_model(tmp_path):
     (tmp_path / "usermodels.py").write_text(USER_MODULE)
     proc = run(["explain", "--model", "usermodels:sharded", "--world-size", "2", "--json"], tmp_path)

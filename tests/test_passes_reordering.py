@@ -96,6 +96,7 @@ def _odd():
     ],
     ids=["batch_shapes", "uneven_shards", "post_forward_2"],
 )
+@pytest.mark.slow
 def test_every_rank_issues_the_same_sequence(world_size, model_fn, batches):
     """The graphs differ (activation shapes, pad nodes on short ranks); the collectives they issue, in order,
     after the same schedule is applied, do not."""

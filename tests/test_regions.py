@@ -53,6 +53,7 @@ def test_a_block_is_traced_once(monkeypatch):
     assert count_collectives(compiled.captured.forward)["all_gathers"] == 5  # the unshards, decomposed at top level
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("reshard", [True, False])
 def test_reshard_after_forward_kept(reshard):
     """A region's forward would hand its gathered parameters to its backward as saved values; the recompute

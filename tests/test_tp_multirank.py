@@ -10,6 +10,8 @@ import pytest
 from dist_helpers import run_ranks
 from tp_cases import TPCase, tp_worker
 
+pytestmark = pytest.mark.multirank
+
 CASES = [
     TPCase(model="mlp", dcp=True),  # ColwiseParallel -> RowwiseParallel; _StridedShard; DCP round trip
     TPCase(model="llama", reshard=False),  # torchtitan's plan: sequence parallel, loss_parallel
