@@ -44,6 +44,7 @@ import _harness as H  # noqa: E402
 
 import fsdp_compile as fc  # noqa: E402
 from fsdp_compile import passes  # noqa: E402
+from fsdp_compile._dtensor import forget_meshes  # noqa: E402
 from fsdp_compile.debug import explain_graphs  # noqa: E402
 from fsdp_compile.passes.schedule import eager_fsdp2  # noqa: E402
 from fsdp_compile.plan import read_plan  # noqa: E402
@@ -74,16 +75,7 @@ def capture(size: str, world: int, seq: int, hardware: str, tp: int = 1, **confi
         return [captured.forward[0], captured.backward[0]], report, passes.modules_of(read_plan(model))
     finally:
         dist.destroy_process_group()
-        _forget_meshes()
-
-
-def _forget_meshes() -> None:
-    """DTensor caches sharding decisions with the mesh in them, and meshes compare equal by layout alone:
-    the next capture's mesh (on a new fake process group) must not meet this one there."""
-    from torch.distributed.tensor import DTensor
-
-    torch._C._clear_DTensor_sharding_propagator_cache()
-    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+        forget_meshes()  # the next capture's mesh, on a new fake group, must not meet this one (_dtensor.py)
 
 
 def score(graphs, hardware: str, variant: str, world: int, schedule=None, tp: int = 1) -> dict:

@@ -380,6 +380,7 @@ def explain_with_graphs(model: nn.Module, example_args, example_kwargs, config: 
         return sum(getattr(r, stage)[key] for r in records) * 1e3 if records else None
 
     schedule = compiled.schedule
+    mesh_dims = plan.mesh_dim_of_groups()
     return Report(
         graph_breaks=sum(counters["graph_break"].values()) - breaks_before,
         recompiles=max(0, len(compiled.captured.dynamo) - 1),
@@ -405,10 +406,8 @@ def explain_with_graphs(model: nn.Module, example_args, example_kwargs, config: 
         schedule=schedule.to_dict(),
         planning_ms=schedule.planning_s * 1e3,
         regions=compiled.regions(),
-        collectives_by_mesh_dim=collectives_by_mesh_dim(
-            compiled.captured.forward + compiled.captured.backward, plan.mesh_dim_of_groups()
-        ),
-        mesh_dims=plan.mesh_dim_of_groups(),
+        collectives_by_mesh_dim=collectives_by_mesh_dim(compiled.captured.forward + compiled.captured.backward, mesh_dims),
+        mesh_dims=mesh_dims,
     ), compiled.captured
 
 

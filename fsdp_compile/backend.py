@@ -33,7 +33,7 @@ from torch._functorch._aot_autograd.utils import make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from fsdp_compile import _record_cache
+from fsdp_compile import _dtensor, _record_cache
 from fsdp_compile._annotations import fsdp_meta
 from fsdp_compile.config import CompileConfig
 from fsdp_compile.debug.dump import CompileHook, readable
@@ -155,13 +155,8 @@ def make_backend(
     parallel = any(p.parallel is not None for g in plan.groups for p in g.params)
 
     def backend(gm: torch.fx.GraphModule, example_inputs):
-        if parallel:
-            # DTensor's C++ sharding-propagation cache keeps what an eager step decided, and torch 2.13's
-            # AOTAutograd, tracing the same op at the same shapes, can hit it and build a joint graph that
-            # returns a tangent as a forward output ("Node tangents_2 was invalid, but is output" in the
-            # partitioner; measured: a TP Llama compiled after an eager step at the same shapes). Tracing
-            # starts from an empty cache; it refills on the next eager op.
-            torch._C._clear_DTensor_sharding_propagator_cache()
+        if parallel:  # tracing starts from an empty DTensor sharding cache (see _dtensor.py); it refills eagerly
+            _dtensor.clear_sharding_cache()
         # regions that would compute something else than the inline compile are inlined (passes/regions.py)
         captured.regions.extend(admit_regions(gm, detect_fake_mode(example_inputs)))
         hook.dynamo(len(captured.dynamo), gm)

@@ -34,9 +34,12 @@ class ParallelSpec:
     shape: tuple[int, ...]  # its global shape and stride
     stride: tuple[int, ...]
 
+    @property
+    def dim_names(self) -> tuple[str, ...]:
+        return self.mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(self.mesh.ndim))
+
     def describe(self) -> str:
-        names = self.mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(self.mesh.ndim))
-        return ", ".join(f"{n}={p!r}" for n, p in zip(names, self.placements))
+        return ", ".join(f"{n}={p!r}" for n, p in zip(self.dim_names, self.placements))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,10 +166,8 @@ class ShardingPlan:
                 out.setdefault(g.post_forward_group_name, f"{g.mesh_dims[0]} (post-forward)")
             for p in g.params:
                 if p.parallel is not None:
-                    mesh = p.parallel.mesh
-                    names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
-                    for i, name in enumerate(names):
-                        out.setdefault(mesh.get_group(i).group_name, name)
+                    for i, name in enumerate(p.parallel.dim_names):
+                        out.setdefault(p.parallel.mesh.get_group(i).group_name, name)
         return out
 
     def has_fsdp_children(self, fqn: str) -> bool:

@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from fsdp_compile._dtensor import forget_meshes
+
 
 class RankFailure(AssertionError):
     pass
@@ -98,18 +100,4 @@ def fake_process_group(world_size: int, rank: int = 0):
         yield
     finally:
         dist.destroy_process_group()
-        forget_meshes()
-
-
-def forget_meshes() -> None:
-    """Empty DTensor's caches of sharding decisions, which hold DeviceMesh objects: meshes compare equal by
-    layout alone, so a later mesh of the same shape on new process groups would find the old mesh (and its
-    destroyed groups) in them. Real jobs build one mesh per process; tests build many."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._collective_utils import MeshTopoInfo
-    from torch.distributed.tensor._redistribute import _gen_transform_infos
-
-    torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ dispatch fast path's own
-    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
-    _gen_transform_infos.cache_clear()
-    MeshTopoInfo.build_from_mesh.cache_clear()
+        forget_meshes()  # this group's meshes must not meet the next one's in DTensor's caches
