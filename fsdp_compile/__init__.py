@@ -1,7 +1,8 @@
 """fsdp-compile: one-graph ``torch.compile`` for FSDP2 (``fully_shard``) models."""
 
 from fsdp_compile import ops as _ops  # noqa: F401  (registers the fsdp_compile:: ops)
-from fsdp_compile._api import CompiledFSDPModule, compile, explain, fully_shard
+from fsdp_compile._api import CompiledFSDPModule, compile, fully_shard
+from fsdp_compile._explain import explain
 from fsdp_compile.config import CompileConfig
 from fsdp_compile.report import Bucket, Report
 

@@ -22,9 +22,9 @@ from fsdp_compile.config import CompileConfig
 from fsdp_compile.passes.cost_model import CostModel, resolve_hardware
 from fsdp_compile.passes.schedule import Schedule, modules_of, plan_schedule
 from fsdp_compile.plan import ShardingPlan, check_ranks_agree, param_groups, read_plan, settings_key
-from fsdp_compile.report import Bucket, Report, collectives_by_mesh_dim, count_collectives, region_summary
+from fsdp_compile.report import region_summary
 
-__all__ = ["fully_shard", "compile", "explain", "CompiledFSDPModule"]
+__all__ = ["fully_shard", "compile", "CompiledFSDPModule"]
 
 _instances = itertools.count()
 
@@ -95,8 +95,14 @@ class CompiledFSDPModule(nn.Module):
         self._steps: dict[tuple, _Step] = {}  # per plan: FSDP2's settings other than gradient sync
         self._sinks: dict[str, torch.Tensor] = {}  # parameter FQN -> accumulation sink (no-sync micro-batches)
         self._meta = any(p.is_meta for p in model.parameters())  # explain's full-scale capture without memory
+        self._attachment = capture.attach(model, plan)
 
     def forward(self, *args, **kwargs):
+        if not self._attachment.attached:
+            raise RuntimeError(
+                "this compiled model was detached (CompiledFSDPModule.detach): call the original model for eager "
+                "FSDP2, or fsdp_compile.compile(model) again"
+            )
         if self.plan.device.type not in ("cpu", "meta") and (args or kwargs):
             # as FSDP2's root pre-forward does (and DDP): inputs move to the parameters' accelerator
             (args,), (kwargs,) = _to_kwargs(args, kwargs, self.plan.device, False)
@@ -110,7 +116,7 @@ class CompiledFSDPModule(nn.Module):
         shards = [[p.to_local() for p in unit] for unit in step.params]
         sinks, accumulated = self._gradient_sync(step)
         try:
-            with capture.active(regions=self.config.regions), _named_collective_failures():
+            with capture.active(self.config.regions, self._attachment.loggers), _named_collective_failures():
                 return step.compiled(shards, sinks, accumulated, *args, **kwargs)
         finally:
             capture.flush_logs()
@@ -222,6 +228,12 @@ class CompiledFSDPModule(nn.Module):
         fn = capture._unique_code(fn, f"fsdp_compile_step_{next(_instances)}")
         backend = make_backend(cfg, self.plan, schedule, self.cost_model, self.captured, codegen=self._codegen)
         return _Step(self._orig_mod, self.plan, schedule, torch.compile(fn, backend=backend, fullgraph=True))
+
+    def detach(self) -> None:
+        """Give the model back to eager FSDP2 exactly as ``compile`` found it: FSDP2's own forward hooks under
+        their hook ids, each repeated block's own ``forward``. Calling this object afterwards raises; the
+        parameters, gradients and optimizer state are the model's and stay as they are. Idempotent."""
+        self._attachment.detach()
 
     def regions(self) -> list[dict]:
         """Per kind of repeated block: compiled once as a region, or inline and why (``Report.regions``)."""
@@ -346,122 +358,13 @@ def compile(model: nn.Module, config: CompileConfig | None = None, **overrides) 
     return CompiledFSDPModule(model, plan, config)
 
 
-def explain(model: nn.Module, *example_args, config: CompileConfig | None = None, **example_kwargs) -> Report:
-    """Capture forward and backward once on the example inputs and report what the compiler sees.
-
-    No training step happens: parameter values, ``.grad``, buffers and the RNG state are restored
-    afterwards. The graphs are the ones ``compile`` would hand to the configured backend (with
-    Inductor's decompositions when ``backend="inductor"``), but no code is generated, so this is fast.
-    Collectives run for real on a real process group (call it on every rank) and are no-ops on the
-    fake one; a model entirely on the meta device is captured at full size without memory.
-    """
-    return explain_with_graphs(model, example_args, example_kwargs, config)[0]
-
-
-def explain_with_graphs(model: nn.Module, example_args, example_kwargs, config: CompileConfig | None = None):
-    """``explain``, also returning the ``CapturedGraphs`` (every stage's graph, for dumps)."""
-    if isinstance(model, CompiledFSDPModule):
-        config, model = config or model.config, model._orig_mod
-    _check_model_kwargs(model, example_kwargs or {})
-    config, plan = _prepare(model, config, {})
-    compiled = CompiledFSDPModule(model, plan, config, codegen=False)
-    from torch._dynamo.utils import counters
-
-    breaks_before = sum(counters["graph_break"].values())
-    with _preserved_state(model):
-        out = compiled(*example_args, **(example_kwargs or {}))
-        leaves = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-        if leaves:
-            torch.stack([t.float().sum() for t in leaves]).sum().backward()
-    fw, bw = count_collectives(compiled.captured.forward), count_collectives(compiled.captured.backward)
-    records = compiled.captured.records
-
-    def total(stage: str, key: str) -> float | None:
-        return sum(getattr(r, stage)[key] for r in records) * 1e3 if records else None
-
-    schedule = compiled.schedule
-    mesh_dims = plan.mesh_dim_of_groups()
-    return Report(
-        graph_breaks=sum(counters["graph_break"].values()) - breaks_before,
-        recompiles=max(0, len(compiled.captured.dynamo) - 1),
-        dynamo_graphs=len(compiled.captured.dynamo),
-        all_gathers=fw["all_gathers"] + bw["all_gathers"],
-        reduce_scatters=fw["reduce_scatters"] + bw["reduce_scatters"],
-        all_reduces=fw["all_reduces"] + bw["all_reduces"],
-        forward=fw,
-        backward=bw,
-        buckets=[
-            Bucket(groups=list(u.members), params=[p.fqn for p in capture.unit_params(plan, u)], bytes=u.all_gather_bytes)
-            for u in schedule.units
-        ],
-        backend=config.backend,
-        hardware=records[0].hardware if records else None,
-        est_step_ms=total("after", "step_time"),
-        est_exposed_comm_ms=total("after", "exposed_comm_time"),
-        est_peak_bytes=max((r.peak_after for r in records), default=None),
-        eager_est_step_ms=total("before", "step_time"),
-        eager_est_exposed_comm_ms=total("before", "exposed_comm_time"),
-        eager_est_peak_bytes=max((r.peak_before for r in records), default=None),
-        graphs=[{k: v for k, v in dataclasses.asdict(r).items() if k != "stages"} for r in records],
-        schedule=schedule.to_dict(),
-        planning_ms=schedule.planning_s * 1e3,
-        regions=compiled.regions(),
-        collectives_by_mesh_dim=collectives_by_mesh_dim(compiled.captured.forward + compiled.captured.backward, mesh_dims),
-        mesh_dims=mesh_dims,
-    ), compiled.captured
-
-
-def _check_model_kwargs(model: nn.Module, kwargs: dict) -> None:
-    """``explain(model, x, backend=...)``: keywords are the model's inputs, and CompileConfig fields that its
-    forward does not take are almost certainly meant for the config."""
-    fields = {f.name for f in dataclasses.fields(CompileConfig)} & set(kwargs)
-    if not fields or not isinstance(model, nn.Module):
-        return
-    params = inspect.signature(model.forward).parameters
-    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    misplaced = sorted(f for f in fields if f not in params and not takes_any)
-    if misplaced:
-        shown = ", ".join(f"{f}={kwargs[f]!r}" for f in misplaced)
-        raise TypeError(
-            f"explain() got {shown}, which the model's forward does not take: CompileConfig fields go in "
-            f"config=fsdp_compile.CompileConfig({shown}); keywords are the model's inputs"
-        )
-
-
-@contextlib.contextmanager
-def _preserved_state(model: nn.Module):
-    params = list(model.parameters())
-    grads = [p.grad for p in params]
-    values = [p.detach().clone() for p in params]
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    cpu_rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    for p in params:
-        p.grad = None
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for p, g, v in zip(params, grads, values):
-                p.grad = g
-                p.copy_(v)
-            for b, v in buffers:
-                b.copy_(v)
-        torch.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
-
-
 def _prepare(model: nn.Module, config: CompileConfig | None, overrides: dict) -> tuple[CompileConfig, ShardingPlan]:
-    """Validate the config against the model's FSDP layout, agree on it across ranks, install the hook
-    dispatchers: everything ``compile`` and ``explain`` do before tracing."""
+    """Validate the config against the model's FSDP layout and agree on it across ranks: everything
+    ``compile`` and ``explain`` do before ``CompiledFSDPModule`` attaches to the model."""
     config = _resolve_config(model, config, overrides)
     plan = read_plan(model)
     _check_against_plan(config, plan)
     check_ranks_agree(plan, config.agreement_items())
-    capture.install_hooks(model)
-    capture.install_regions(model, plan)
-    capture.install_logging(model)
     return config, plan
 
 

@@ -70,13 +70,16 @@ def lazy_init(state, allow_meta: bool = False) -> None:
     if not allow_meta:
         _get(state, "_lazy_init")()
         return
-    group_cls = _private("_fsdp_param_group", "FSDPParamGroup")
-    original = _get(group_cls, "_validate_no_meta_params")
-    group_cls._validate_no_meta_params = lambda self: None
+    # its lazy init validates the groups of every state under its module
+    groups = [pg for _, _, sub in states(modules(state)[0]) for pg in param_groups(sub)]
+    for pg in groups:  # on the instances, for this call: the class, and every other model, keep the check
+        _get(pg, "_validate_no_meta_params")
+        pg._validate_no_meta_params = lambda: None
     try:
         _get(state, "_lazy_init")()
     finally:
-        group_cls._validate_no_meta_params = original
+        for pg in groups:
+            del pg._validate_no_meta_params
 
 
 def param_groups(state) -> list:

@@ -7,7 +7,7 @@ hook id, by a dispatcher:
 
 * outside our compiled step it calls FSDP2's hook unchanged, so eager use of the model (evaluation,
   debugging, plain ``torch.compile``) keeps FSDP2's exact behaviour;
-* inside it (``_ACTIVE``, which Dynamo guards on) it does only the traceable part of FSDP2's hook: the
+* inside it (``STEP.active``, which Dynamo guards on) it does only the traceable part of FSDP2's hook: the
   ``MixedPrecisionPolicy`` casts (``cast_forward_inputs`` before, ``output_dtype`` after).
 
 The parameters come from ``traced_forward``: for every unit of the communication schedule (an FSDP
@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import sys
 import types
+import weakref
 
 import torch
 import torch.nn as nn
@@ -31,31 +32,39 @@ from fsdp_compile.ops import Comm, Reduction, UnshardArgs
 from fsdp_compile.passes.schedule import Schedule, Unit
 from fsdp_compile.plan import ParamPlan, ShardingPlan, fsdp_states
 
-_ACTIVE = False  # True only while our compiled step runs (and while Dynamo traces it)
-_REGIONS = False  # ... and whether repeated blocks run as compiled regions (CompileConfig.regions)
+class _StepState:
+    """What FSDP2's hook dispatchers and the regional forwards read: whether our compiled step is running
+    (and being traced: Dynamo guards on these attributes), and whether repeated blocks run as regions.
+    Set only for the duration of one compiled call, by ``active``; one object, so the guards stay put."""
+
+    active = False
+    regions = False
+
+
+STEP = _StepState()
 
 
 class _Active:
-    def __init__(self, regions: bool):
-        self.regions = regions
+    def __init__(self, regions: bool, loggers: list[tuple[object, object]]):
+        self.regions, self.loggers = regions, loggers
 
     def __enter__(self):
-        global _ACTIVE, _REGIONS
-        self._prev = (_ACTIVE, _REGIONS)
-        _ACTIVE, _REGIONS = True, self.regions
-        self._loggers = [(module, module.logger) for module, proxy in _LOGGERS]
-        for module, proxy in _LOGGERS:
+        self._prev = (STEP.active, STEP.regions)
+        STEP.active, STEP.regions = True, self.regions
+        self._saved = [(module, module.logger) for module, _ in self.loggers]
+        for module, proxy in self.loggers:
             module.logger = proxy
 
     def __exit__(self, *exc):
-        global _ACTIVE, _REGIONS
-        _ACTIVE, _REGIONS = self._prev
-        for module, logger in self._loggers:
+        STEP.active, STEP.regions = self._prev
+        for module, logger in reversed(self._saved):
             module.logger = logger
 
 
-def active(regions: bool = False) -> _Active:
-    return _Active(regions)
+def active(regions: bool = False, loggers: list[tuple[object, object]] = ()) -> _Active:
+    """The compiled call's scope: FSDP2's hooks dispatch to ours, blocks to their regions (``regions``), and
+    the model's loggers (``install_logging``) defer their messages to ``flush_logs``."""
+    return _Active(regions, list(loggers))
 
 
 # --- logging inside the captured step -------------------------------------------------------------------
@@ -70,7 +79,6 @@ def active(regions: bool = False) -> _Active:
 
 _LOG_METHODS = ("debug", "info", "warning", "warn", "error", "critical", "exception", "log", "warning_once",
                 "info_once", "warning_advice")
-_LOGGERS: list[tuple[object, object]] = []  # (module, stand-in), swapped in while our step runs
 _REAL: dict[str, logging.Logger] = {}  # logger name -> the module's real logger
 _PENDING: list[tuple] = []  # (logger name, method, args, kwargs) logged by the last compiled call
 
@@ -105,18 +113,18 @@ def flush_logs() -> None:
         getattr(_REAL[name], method)(*args, **kwargs)
 
 
-def install_logging(model: nn.Module) -> int:
-    """Stand-ins for the ``logger`` globals of the modules that define the model's classes, and of
-    transformers (its base classes and losses log too); idempotent. Returns how many there are."""
+def install_logging(model: nn.Module) -> list[tuple[object, object]]:
+    """``(module, stand-in)`` for the ``logger`` globals of the modules that define the model's classes,
+    and of transformers (its base classes and losses log too): ``active`` swaps them in for one call."""
     names = {type(m).__module__ for m in model.modules()}
     names |= {n for n in sys.modules if n == "transformers" or n.startswith("transformers.")}
-    have = {id(module) for module, _ in _LOGGERS}
+    out = []
     for name in sorted(names):
         module = sys.modules.get(name)
         logger = getattr(module, "logger", None) if module is not None else None
-        if isinstance(logger, logging.Logger) and id(module) not in have:
-            _LOGGERS.append((module, _DeferredLogger(logger)))
-    return len(_LOGGERS)
+        if isinstance(logger, logging.Logger):
+            out.append((module, _DeferredLogger(logger)))
+    return out
 
 
 def _make_pre_hook(state, fsdp_hook):
@@ -124,7 +132,7 @@ def _make_pre_hook(state, fsdp_hook):
     cast = _fsdp2.floating_cast(policy.param_dtype) if policy.cast_forward_inputs and policy.param_dtype else None
 
     def fsdp_compile_pre_forward(module, args, kwargs):
-        if not _ACTIVE:
+        if not STEP.active:
             return fsdp_hook(module, args, kwargs)
         if cast is None:
             return args, kwargs
@@ -139,7 +147,7 @@ def _make_post_hook(state, fsdp_hook):
     cast = _fsdp2.floating_cast(output_dtype) if output_dtype is not None else None
 
     def fsdp_compile_post_forward(module, input, output):
-        if not _ACTIVE:
+        if not STEP.active:
             return fsdp_hook(module, input, output)
         return output if cast is None else cast(output)
 
@@ -159,9 +167,11 @@ def _wraps(hook, fn) -> bool:
     return False
 
 
-def install_hooks(model: nn.Module) -> None:
-    """Swap FSDP2's forward hooks for dispatchers (idempotent; eager behaviour is unchanged). A group of
-    several modules (``fully_shard([m1, m2])``) has FSDP2's hooks, wrapped, on each of them."""
+def install_hooks(model: nn.Module) -> list[tuple[dict, int, object]]:
+    """Swap FSDP2's forward hooks for dispatchers, in place, under the same hook ids (eager behaviour is
+    unchanged). A group of several modules (``fully_shard([m1, m2])``) has FSDP2's hooks, wrapped, on each
+    of them. Returns ``(hook dict, hook id, dispatcher)`` per swap, for ``Attachment.detach``."""
+    swapped = []
     for fqn, _, state in fsdp_states(model):
         pre, post = _fsdp2.forward_hooks(state)
         for module in _fsdp2.modules(state):
@@ -171,13 +181,70 @@ def install_hooks(model: nn.Module) -> None:
             ):
                 found = False
                 for hook_id, hook in list(hooks.items()):
-                    if hasattr(hook, "fsdp_hook"):
-                        found = True
-                    elif _wraps(hook, fsdp_fn):
+                    if _wraps(hook, fsdp_fn) and not hasattr(hook, "fsdp_hook"):
                         hooks[hook_id] = make(state, hook)
+                        swapped.append((hooks, hook_id, hooks[hook_id]))
                         found = True
                 if not found:
                     raise RuntimeError(f"FSDP2's forward hooks on {fqn or '<root>'!r} are missing; was a hook removed?")
+    return swapped
+
+
+class Attachment:
+    """What ``compile`` and ``explain`` install on a model: FSDP2's forward hooks swapped for dispatchers
+    (``install_hooks``), repeated blocks' forwards routed to regions (``install_regions``), and the model's
+    logger stand-ins (``install_logging``, swapped in only during a compiled call). Installed once per model
+    and shared by everything attached to it; ``detach`` puts the model back as it was when the last user
+    detaches."""
+
+    def __init__(self, model: nn.Module, installed: _Installed):
+        self.model, self._installed, self.attached = model, installed, True
+
+    @property
+    def repeated(self) -> list[list[str]]:
+        return self._installed.repeated
+
+    @property
+    def loggers(self) -> list[tuple[object, object]]:
+        return self._installed.loggers
+
+    def detach(self) -> None:
+        if not self.attached:
+            return
+        self.attached = False
+        installed = self._installed
+        installed.users -= 1
+        if installed.users:
+            return
+        del _INSTALLED[self.model]
+        for hooks, hook_id, dispatcher in installed.hooks:
+            if hooks.get(hook_id) is dispatcher:
+                hooks[hook_id] = dispatcher.fsdp_hook
+        for block, previous, ours in installed.forwards:
+            if block.__dict__.get("forward") is ours:
+                if previous is None:
+                    del block.forward
+                else:
+                    block.forward = previous
+
+
+class _Installed:
+    def __init__(self, hooks, repeated, forwards, loggers):
+        self.hooks, self.repeated, self.forwards, self.loggers, self.users = hooks, repeated, forwards, loggers, 0
+
+
+_INSTALLED: "weakref.WeakKeyDictionary[nn.Module, _Installed]" = weakref.WeakKeyDictionary()
+
+
+def attach(model: nn.Module, plan: ShardingPlan) -> Attachment:
+    """Install (once per model) what the compiled step needs on ``model``; see ``Attachment``."""
+    installed = _INSTALLED.get(model)
+    if installed is None:
+        hooks = install_hooks(model)
+        repeated, forwards = install_regions(model, plan)
+        installed = _INSTALLED[model] = _Installed(hooks, repeated, forwards, install_logging(model))
+    installed.users += 1
+    return Attachment(model, installed)
 
 
 def traced_forward(
@@ -324,21 +391,25 @@ def inline_reason(plan: ShardingPlan, fqns: list[str]) -> str | None:
     return None
 
 
-def install_regions(model: nn.Module, plan: ShardingPlan) -> list[list[str]]:
+def install_regions(model: nn.Module, plan: ShardingPlan) -> tuple[list[list[str]], list]:
     """Route every repeated block's forward through its region while a compiled step runs with regions on
-    (idempotent; outside a compiled step the block's own forward runs). Returns the repeated blocks: kind
-    ``i`` runs as ``fsdp_compile_region_<i>``, unless ``passes/regions.py`` inlines its calls."""
+    (outside a compiled step the block's own forward runs). Returns the repeated blocks (kind ``i`` runs as
+    ``fsdp_compile_region_<i>``, unless ``passes/regions.py`` inlines its calls) and, per block routed,
+    ``(block, its previous instance forward or None, the routing forward)`` for ``Attachment.detach``."""
     _invoke_subgraph.register()
     modules = dict(model.named_modules())
     repeated = find_repeated_blocks(model, plan)
+    forwards = []
     for index, fqns in enumerate(repeated):
         blocks = [modules[f] for f in fqns]
-        if inline_reason(plan, fqns) is not None or all(hasattr(b.forward, "fsdp_compile_region") for b in blocks):
+        if inline_reason(plan, fqns) is not None:
             continue
         region, names, pass_block = _make_region(blocks, index)
         for block in blocks:
+            previous = block.__dict__.get("forward")
             block.forward = _regional_forward(block, region, names, pass_block)
-    return repeated
+            forwards.append((block, previous, block.forward))
+    return repeated, forwards
 
 
 def _get(module: nn.Module, dotted: str):
@@ -351,7 +422,7 @@ def _regional_forward(block: nn.Module, region, names, pass_block: bool):
     own = getattr(block.forward, "fsdp_compile_own_forward", block.forward)  # the bound method of its class
 
     def forward(*args, **kwargs):
-        if not (_ACTIVE and _REGIONS):
+        if not (STEP.active and STEP.regions):
             return own(*args, **kwargs)
         # the unsharded tensors that traced_forward's functional_call put in place, as the region's inputs
         tensors = tuple(_get(block, n) for n in names)

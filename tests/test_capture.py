@@ -55,15 +55,58 @@ def test_explain_zoo():
         assert frozen_report.graph_breaks == 0 and frozen_report.reduce_scatters == 3
 
 
+def _installed(model):
+    """What is on the model's modules where compile attaches: hook entries, instance forwards."""
+    return [(name, dict(m._forward_pre_hooks), dict(m._forward_hooks), m.__dict__.get("forward"))
+            for name, m in model.named_modules()]
+
+
 def test_explain_leaves_state_alone():
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    check = FSDPParamGroup._validate_no_meta_params
     with fake_process_group(8):
         model = llama(2)
         params = [p.detach().clone() for p in model.parameters()]
         rng = torch.get_rng_state()
+        installed = _installed(model)
         fc.explain(model, tokens())
         assert all(p.grad is None for p in model.parameters())
         assert all(torch.equal(a.to_local(), b.to_local()) for a, b in zip(params, model.parameters()))
         assert torch.equal(rng, torch.get_rng_state())
+        assert _installed(model) == installed  # FSDP2's own hooks, the blocks' own forwards
+        with torch.device("meta"):
+            meta = llama(2)
+        fc.explain(meta, tokens().to("meta"))  # FSDP2's meta check is skipped for that model only
+        assert FSDPParamGroup._validate_no_meta_params is check
+        groups = [pg for m in meta.modules() if isinstance(m, FSDPModule) for pg in m._get_fsdp_state()._fsdp_param_groups]
+        assert groups and not any("_validate_no_meta_params" in vars(pg) for pg in groups)
+
+
+def test_detach_gives_the_model_back():
+    """compile attaches once per model; the last detach restores FSDP2's hooks and the blocks' forwards,
+    and the model trains eagerly as before; explain of a compiled model leaves it compiled."""
+    with fake_process_group(2):
+        model = llama(2)
+        installed = _installed(model)
+        a = fc.compile(model, backend="aot_eager")
+        b = fc.compile(model, backend="aot_eager")
+        attached = _installed(model)
+        assert attached != installed and all(h.__name__.startswith("fsdp_compile") for h in model._forward_pre_hooks.values())
+        fc.explain(model, tokens())
+        assert _installed(model) == attached
+        a(tokens())
+        a.detach()
+        a.detach()  # idempotent
+        assert _installed(model) == attached  # b still uses them
+        with pytest.raises(RuntimeError, match="detached"):
+            a(tokens())
+        b(tokens()).sum().backward()
+        b.detach()
+        assert _installed(model) == installed
+        model(tokens()).sum().backward()  # eager FSDP2, its own hooks
+        assert all(p.grad is not None for p in model.parameters())
 
 
 def _graph_code(rank, world_size):

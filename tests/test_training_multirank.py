@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from dist_helpers import run_ranks
-from fsdp_compile.debug.eager_calls import count_eager_collectives
+from eager_calls import count_eager_collectives
 from parity import Case, batch, build, loss_fn, max_diff
 
 pytestmark = pytest.mark.multirank

@@ -1,6 +1,6 @@
 """Seeing what the compiler did to communication: readable graphs and dumps (``dump``), the predicted
-timeline (``timeline``), the ``fsdp-compile`` command line (``cli``), the eager-collective counter
-(``eager_calls``), and ``explain_graphs`` for tools that need the graphs themselves."""
+timeline (``timeline``), the ``fsdp-compile`` command line (``cli``), and ``explain_graphs`` for tools
+that need the graphs themselves."""
 
 from __future__ import annotations
 
@@ -12,6 +12,6 @@ def explain_graphs(model, *example_args, config=None, **example_kwargs):
     graph after our passes, with the passes' records; ``dump.write_dump(dir, report, captured)`` writes
     them out. Used by the CLI and ``bench/scale_sim.py``.
     """
-    from fsdp_compile._api import explain_with_graphs
+    from fsdp_compile._explain import explain_with_graphs
 
     return explain_with_graphs(model, example_args, example_kwargs, config)

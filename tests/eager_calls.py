@@ -2,7 +2,8 @@
 
 Eager FSDP2's hooks issue their all-gathers and reduce-scatters this way; a step compiled by
 ``fsdp_compile`` issues none (its collectives are ``_c10d_functional`` ops inside the graphs), which is
-how the tests, the demo and the benchmarks check that no eager hook ran.
+how the tests and the benchmarks check that no eager hook ran. Test instrumentation, kept out of the
+package: it patches ``torch.distributed`` for the duration of the block.
 """
 
 from __future__ import annotations
