@@ -59,7 +59,7 @@ class CompileHook:
             _write(self.dump_dir, f"0_dynamo{index}.txt", readable(gm))
 
     def passes(self, record) -> None:
-        """A forward/backward graph's stages (captured, bucketed, reordered) and predicted schedule."""
+        """A forward/backward graph's stages (captured, reordered) and predicted schedule."""
         from torch._logging import trace_structured
 
         name = f"fsdp_compile_{record.kind}{record.index}"

@@ -246,7 +246,7 @@ def resolve_impl(impl: str, device: torch.device, dtypes: Sequence[torch.dtype])
 # ---------------------------------------------------------------------------------------------------------
 # Triton launch plumbing.
 
-# Interpreter cost model, measured on this CPU box (probes section 7 and fsdp_compile's own kernels):
+# Interpreter cost model, measured on a 2-core CPU box with these kernels under TRITON_INTERPRET=1:
 # each program costs a fixed ~0.6 ms plus ~75 ns per element of BLOCK, whatever the mask hides.
 _INTERP_PROGRAM_NS = 600_000
 _INTERP_ELEMENT_NS = 75

@@ -15,7 +15,7 @@
   every other op is memory bound (bytes read + written); views and aliases are free.
 
 Nothing here touches a GPU driver or Triton (Inductor's own estimator calls ``triton.testing.get_dram_gbps``,
-which fails on a CPU-only machine, see ``shared/probes/README.md`` section 5); ``hardware="auto"`` decides
+which needs a GPU driver and fails on a CPU-only machine); ``hardware="auto"`` decides
 from the graph's device and world size alone, so every rank picks the same profile.
 
 All numbers are estimates. Each profile constant names its source next to it.
