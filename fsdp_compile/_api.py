@@ -308,13 +308,14 @@ def workload_of(args, kwargs) -> int:
 
 def agreed_workload(plan: ShardingPlan, args, kwargs) -> int:
     """``workload_of`` the first call's inputs, the maximum over the ranks of every FSDP process group
-    (one all-reduce each; none on the fake process group): every rank then plans the same schedule."""
+    (over its store, ``_agree``; nothing on the fake process group): every rank then plans the same schedule."""
     local = workload_of(args, kwargs)
     if not dist.is_initialized() or dist.get_backend() == "fake":
         return local
     from torch.distributed.distributed_c10d import _resolve_process_group
 
-    return agree_max(local, [_resolve_process_group(n) for n in plan.process_group_names()], plan.device)
+    groups = [_resolve_process_group(n) for n in plan.process_group_names()]
+    return agree_max(local, groups, "the tokens per step (at the compiled model's first call)")
 
 
 def _resolve_kernels(kernels: str, plan: ShardingPlan) -> str:
