@@ -20,7 +20,7 @@ from fsdp_compile._agree import agree_max
 from fsdp_compile.backend import CapturedGraphs, make_backend
 from fsdp_compile.config import CompileConfig
 from fsdp_compile.passes.cost_model import CostModel, resolve_hardware
-from fsdp_compile.passes.schedule import Schedule, modules_of, plan_schedule
+from fsdp_compile.passes.schedule import Schedule, check_bucket_plan, modules_of, plan_schedule
 from fsdp_compile.plan import ShardingPlan, check_ranks_agree, param_groups, read_plan, settings_key
 from fsdp_compile.report import Bucket, Report, collectives_by_mesh_dim, count_collectives, region_summary
 
@@ -482,16 +482,8 @@ def _resolve_config(model: nn.Module, config: CompileConfig | None, overrides: d
 
 def _check_against_plan(config: CompileConfig, plan: ShardingPlan) -> None:
     """Bucketing options that name modules or sizes, checked before any trace with one clear error."""
-    groups = [g.fqn for g in plan.groups]
     if not isinstance(config.bucket, str):
-        seen: set[str] = set()
-        for bucket in config.bucket:
-            for fqn in bucket:
-                if fqn not in groups:
-                    raise ValueError(f"bucket plan names {fqn!r}, which is not an FSDP module; FSDP modules: {groups}")
-                if fqn in seen:
-                    raise ValueError(f"bucket plan names {fqn!r} twice; each FSDP module goes in one bucket")
-                seen.add(fqn)
+        check_bucket_plan(modules_of(plan), config.bucket)
     if config.bucket_cap_mb is not None:
         largest = max(plan.groups, key=lambda g: g.unsharded_bytes)
         if largest.unsharded_bytes > config.bucket_cap_mb * 2**20:

@@ -1,8 +1,8 @@
 """Every bad input gets one line naming the problem and the fix: a table, on the fake process group.
 
-Config fields fail when the ``CompileConfig`` is made; model and option problems when ``compile`` (or
-``explain``) is called, before any trace; plan problems at the first call, where the schedule is planned,
-still before any trace. The command line's own table is in ``test_cli.py``.
+Config fields fail when the ``CompileConfig`` is made; model and option problems (an explicit bucket
+plan's included) when ``compile`` (or ``explain``) is called, before any trace; plan problems at the first
+call, where the schedule is planned, still before any trace. The command line's own table is in ``test_cli.py``.
 """
 
 from __future__ import annotations
@@ -199,9 +199,15 @@ ROWS = [
      r"explain\(\) got backend='aot_eager'.*config=fsdp_compile.CompileConfig\(backend='aot_eager'\)"),
     # options checked against the model, before any trace
     ("bucket names no module", compile_(llama, bucket=[["layers.9"]]), ValueError, r"names 'layers.9', which is not an FSDP module"),
+    ("bucket not adjacent", compile_(lambda: llama(3), bucket=[["layers.0", "layers.2"], ["layers.1"]]), ValueError,
+     r"bucket \['layers.0', 'layers.2'\] joins FSDP modules that are not adjacent in forward order: \['layers.1'\] run "
+     r"between 'layers.0' and 'layers.2'; .*add \['layers.1'\] to it, or split it"),
+    ("bucket not adjacent, reshard differs too", compile_(llama, bucket=[["", "layers.1"]]), ValueError,
+     r"bucket \['', 'layers.1'\] joins FSDP modules that are not adjacent in forward order: \['layers.0'\] run between ''"),
+    ("bucket mixes reshard", compile_(llama, bucket=[["", "layers.0"]]), ValueError,
+     r"bucket \['', 'layers.0'\] mixes FSDP modules .* differ in reshard_after_forward \(False vs True\); split it"),
     ("bucket_cap_mb below a module", compile_(llama, bucket_cap_mb=0.001), ValueError, r"bucket_cap_mb=0.001 is below FSDP module"),
     # at the first call, where the schedule is planned
-    ("bucket mixes reshard", first_call(llama, bucket=[["", "layers.0"]]), ValueError, r"mixes FSDP modules .* differ in reshard_after_forward \(False vs True\); split it"),
     ("memory budget too small", first_call(llama, memory_budget_gb=1e-9), ValueError, r"memory_budget_gb=1e-09 is below the .* MiB .*raise it, or leave it None"),
     # inputs
     ("input on another device", first_call(llama, inputs=lambda: tokens(device="meta")), ValueError, r"is on meta, but the model's parameters are on cpu: move the inputs there"),
