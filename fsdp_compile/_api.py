@@ -19,6 +19,7 @@ from fsdp_compile import _fsdp2, capture
 from fsdp_compile._agree import agree_max
 from fsdp_compile.backend import CapturedGraphs, make_backend
 from fsdp_compile.config import CompileConfig
+from fsdp_compile.debug.dump import make_dump_dir
 from fsdp_compile.passes.cost_model import CostModel, resolve_hardware
 from fsdp_compile.passes.schedule import Schedule, check_bucket_plan, modules_of, plan_schedule
 from fsdp_compile.plan import ShardingPlan, check_ranks_agree, param_groups, read_plan, settings_key
@@ -454,9 +455,11 @@ def _preserved_state(model: nn.Module):
 
 
 def _prepare(model: nn.Module, config: CompileConfig | None, overrides: dict) -> tuple[CompileConfig, ShardingPlan]:
-    """Validate the config against the model's FSDP layout, agree on it across ranks, install the hook
-    dispatchers: everything ``compile`` and ``explain`` do before tracing."""
+    """Validate the config against the model's FSDP layout (creating its dump directory), agree on it across
+    ranks, install the hook dispatchers: everything ``compile`` and ``explain`` do before tracing."""
     config = _resolve_config(model, config, overrides)
+    if config.dump_dir is not None:
+        make_dump_dir(config.dump_dir)
     plan = read_plan(model)
     _check_against_plan(config, plan)
     check_ranks_agree(plan, config.agreement_items())
