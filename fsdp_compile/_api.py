@@ -19,8 +19,9 @@ from fsdp_compile import _fsdp2, capture
 from fsdp_compile._agree import agree_max
 from fsdp_compile.backend import CapturedGraphs, make_backend
 from fsdp_compile.config import CompileConfig
+from fsdp_compile.debug.dump import make_dump_dir
 from fsdp_compile.passes.cost_model import CostModel, resolve_hardware
-from fsdp_compile.passes.schedule import Schedule, modules_of, plan_schedule
+from fsdp_compile.passes.schedule import Schedule, check_bucket_plan, modules_of, plan_schedule
 from fsdp_compile.plan import ShardingPlan, check_ranks_agree, param_groups, read_plan, settings_key
 from fsdp_compile.report import region_summary
 
@@ -320,13 +321,14 @@ def workload_of(args, kwargs) -> int:
 
 def agreed_workload(plan: ShardingPlan, args, kwargs) -> int:
     """``workload_of`` the first call's inputs, the maximum over the ranks of every FSDP process group
-    (one all-reduce each; none on the fake process group): every rank then plans the same schedule."""
+    (over its store, ``_agree``; nothing on the fake process group): every rank then plans the same schedule."""
     local = workload_of(args, kwargs)
     if not dist.is_initialized() or dist.get_backend() == "fake":
         return local
     from torch.distributed.distributed_c10d import _resolve_process_group
 
-    return agree_max(local, [_resolve_process_group(n) for n in plan.process_group_names()], plan.device)
+    groups = [_resolve_process_group(n) for n in plan.process_group_names()]
+    return agree_max(local, groups, "the tokens per step (at the compiled model's first call)")
 
 
 def _resolve_kernels(kernels: str, plan: ShardingPlan) -> str:
@@ -359,9 +361,11 @@ def compile(model: nn.Module, config: CompileConfig | None = None, **overrides) 
 
 
 def _prepare(model: nn.Module, config: CompileConfig | None, overrides: dict) -> tuple[CompileConfig, ShardingPlan]:
-    """Validate the config against the model's FSDP layout and agree on it across ranks: everything
-    ``compile`` and ``explain`` do before ``CompiledFSDPModule`` attaches to the model."""
+    """Validate the config against the model's FSDP layout (creating its dump directory) and agree on it
+    across ranks: everything ``compile`` and ``explain`` do before ``CompiledFSDPModule`` attaches."""
     config = _resolve_config(model, config, overrides)
+    if config.dump_dir is not None:
+        make_dump_dir(config.dump_dir)
     plan = read_plan(model)
     _check_against_plan(config, plan)
     check_ranks_agree(plan, config.agreement_items())
@@ -384,16 +388,8 @@ def _resolve_config(model: nn.Module, config: CompileConfig | None, overrides: d
 
 def _check_against_plan(config: CompileConfig, plan: ShardingPlan) -> None:
     """Bucketing options that name modules or sizes, checked before any trace with one clear error."""
-    groups = [g.fqn for g in plan.groups]
     if not isinstance(config.bucket, str):
-        seen: set[str] = set()
-        for bucket in config.bucket:
-            for fqn in bucket:
-                if fqn not in groups:
-                    raise ValueError(f"bucket plan names {fqn!r}, which is not an FSDP module; FSDP modules: {groups}")
-                if fqn in seen:
-                    raise ValueError(f"bucket plan names {fqn!r} twice; each FSDP module goes in one bucket")
-                seen.add(fqn)
+        check_bucket_plan(modules_of(plan), config.bucket)
     if config.bucket_cap_mb is not None:
         largest = max(plan.groups, key=lambda g: g.unsharded_bytes)
         if largest.unsharded_bytes > config.bucket_cap_mb * 2**20:

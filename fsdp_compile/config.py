@@ -59,7 +59,8 @@ class CompileConfig:
     """Copy-in/copy-out implementation: ``"triton"``, ``"torch"``, or ``"auto"`` (Triton on CUDA, torch elsewhere)."""
 
     dump_dir: str | None = None
-    """Write every stage's graphs and the schedule report here; defaults to ``$FSDP_COMPILE_DUMP``."""
+    """Write every stage's graphs and the schedule report here; defaults to ``$FSDP_COMPILE_DUMP``. Checked
+    here for the common mistakes; created by ``compile`` and ``explain`` (``debug.dump.make_dump_dir``)."""
 
     def __post_init__(self) -> None:
         _check_choice("backend", self.backend, Backend, "fsdp_compile runs its passes before either")

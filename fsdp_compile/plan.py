@@ -264,8 +264,9 @@ def check_ranks_agree(plan: ShardingPlan, config_items: list[tuple[str, object]]
     collectives inside the compiled graphs and block until the process group's timeout, or exchange the
     wrong bytes; this turns that into an error on every rank that names the first difference. It
     compares within each FSDP process group, not the whole world: ranks outside it (another pipeline
-    stage, say) may hold another model. Tensor collectives only (``_agree``), bounded by the process
-    group's timeout. Skipped on the fake process group (no peers).
+    stage, say) may hold another model. Over the process group's store, never a collective (``_agree``):
+    a rank that compiles alone raises, within the group's timeout, instead of pairing with its peers'
+    eager collectives. Skipped on the fake process group (no peers).
     """
     if not dist.is_initialized() or dist.get_backend() == "fake":
         return
@@ -279,11 +280,11 @@ def check_ranks_agree(plan: ShardingPlan, config_items: list[tuple[str, object]]
         group = _resolve_process_group(name)
         if group.size() > 1:
             check_same(
-                "the fsdp_compile.CompileConfig", list(config_items), group, plan.device,
+                "the fsdp_compile.CompileConfig", list(config_items), group,
                 "every rank must pass the same settings to fsdp_compile.compile",
             )
             check_same(
-                "the sharded model", items, group, plan.device,
+                "the sharded model", items, group,
                 "every rank must build the same model and call fully_shard the same way before fsdp_compile.compile",
             )
 

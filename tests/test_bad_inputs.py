@@ -1,8 +1,8 @@
 """Every bad input gets one line naming the problem and the fix: a table, on the fake process group.
 
-Config fields fail when the ``CompileConfig`` is made; model and option problems when ``compile`` (or
-``explain``) is called, before any trace; plan problems at the first call, where the schedule is planned,
-still before any trace. The command line's own table is in ``test_cli.py``.
+Config fields fail when the ``CompileConfig`` is made; model and option problems (an explicit bucket
+plan's included) when ``compile`` (or ``explain``) is called, before any trace; plan problems at the first
+call, where the schedule is planned, still before any trace. The command line's own table is in ``test_cli.py``.
 """
 
 from __future__ import annotations
@@ -125,6 +125,12 @@ def with_setter(setter: str, *args, hsdp: bool = False):
     return make
 
 
+def dump_dir_taken_after_config(tmp):
+    cfg = fc.CompileConfig(dump_dir=str(tmp / "later" / "dump"))
+    (tmp / "later").write_text("not a directory")
+    fc.compile(llama(), cfg)
+
+
 class NotAFile:
     """dump_dir below a file: not a directory, for any user (root ignores write permissions)."""
 
@@ -160,6 +166,11 @@ ROWS = [
     ("dump_dir below a file", lambda tmp: fc.CompileConfig(dump_dir=str(tmp / "file" / "dump")), ValueError,
      r"dump_dir='.*file/dump' is not a directory .*point it at a directory you can write"),
     ("FSDP_COMPILE_DUMP below a file", "env", ValueError, r"\$FSDP_COMPILE_DUMP='.*file/dump' is not a directory"),
+    # the dump directory is created when compile is called: what the config's check cannot foresee fails there
+    ("dump_dir name too long", lambda tmp: fc.compile(llama(), dump_dir=str(tmp / ("d" * 300))), ValueError,
+     r"dump_dir='.*d{300}' cannot hold the dump: .* \('.*d{300}'\); point it at a directory you can write"),
+    ("dump_dir a file by the time of compile", dump_dir_taken_after_config, ValueError,
+     r"dump_dir='.*later/dump' cannot hold the dump: Not a directory .*point it at a directory you can write"),
     ("unknown option", lambda tmp: fc.CompileConfig().replace(bucket_size=3), TypeError, r"unknown CompileConfig option\(s\) \['bucket_size'\]"),
     ("unknown override", compile_(llama, bucket_sizes=1), TypeError, r"unknown CompileConfig option\(s\) \['bucket_sizes'\]"),
     ("config of another type", compile_(llama, config={"backend": "aot_eager"}), TypeError, r"config must be a fsdp_compile.CompileConfig, got dict"),
@@ -199,9 +210,15 @@ ROWS = [
      r"explain\(\) got backend='aot_eager'.*config=fsdp_compile.CompileConfig\(backend='aot_eager'\)"),
     # options checked against the model, before any trace
     ("bucket names no module", compile_(llama, bucket=[["layers.9"]]), ValueError, r"names 'layers.9', which is not an FSDP module"),
+    ("bucket not adjacent", compile_(lambda: llama(3), bucket=[["layers.0", "layers.2"], ["layers.1"]]), ValueError,
+     r"bucket \['layers.0', 'layers.2'\] joins FSDP modules that are not adjacent in forward order: \['layers.1'\] run "
+     r"between 'layers.0' and 'layers.2'; .*add \['layers.1'\] to it, or split it"),
+    ("bucket not adjacent, reshard differs too", compile_(llama, bucket=[["", "layers.1"]]), ValueError,
+     r"bucket \['', 'layers.1'\] joins FSDP modules that are not adjacent in forward order: \['layers.0'\] run between ''"),
+    ("bucket mixes reshard", compile_(llama, bucket=[["", "layers.0"]]), ValueError,
+     r"bucket \['', 'layers.0'\] mixes FSDP modules .* differ in reshard_after_forward \(False vs True\); split it"),
     ("bucket_cap_mb below a module", compile_(llama, bucket_cap_mb=0.001), ValueError, r"bucket_cap_mb=0.001 is below FSDP module"),
     # at the first call, where the schedule is planned
-    ("bucket mixes reshard", first_call(llama, bucket=[["", "layers.0"]]), ValueError, r"mixes FSDP modules .* differ in reshard_after_forward \(False vs True\); split it"),
     ("memory budget too small", first_call(llama, memory_budget_gb=1e-9), ValueError, r"memory_budget_gb=1e-09 is below the .* MiB .*raise it, or leave it None"),
     # inputs
     ("input on another device", first_call(llama, inputs=lambda: tokens(device="meta")), ValueError, r"is on meta, but the model's parameters are on cpu: move the inputs there"),
@@ -225,3 +242,16 @@ def test_bad_input(name, call, exc, match, tmp_path, monkeypatch):
 def test_the_table_is_long_enough():
     assert len(ROWS) >= 40
     assert {f.name for f in dataclasses.fields(fc.CompileConfig)} <= {r[0].split()[0] for r in ROWS}
+
+
+def test_compile_creates_the_dump_dir(tmp_path, monkeypatch):
+    """Before any call, so a dump directory that cannot be made fails at compile, not at the first step."""
+    with fake_process_group(8):
+        fc.compile(llama(), dump_dir=str(tmp_path / "a" / "dump"))
+        monkeypatch.setenv("FSDP_COMPILE_DUMP", str(tmp_path / "b" / "dump"))
+        fc.compile(llama())
+        monkeypatch.setenv("FSDP_COMPILE_DUMP", str(tmp_path / ("e" * 300)))
+        with pytest.raises(ValueError, match=r"\$FSDP_COMPILE_DUMP='.*e{300}' cannot hold the dump"):
+            fc.compile(llama())
+    assert (tmp_path / "a" / "dump").is_dir() and (tmp_path / "b" / "dump").is_dir()
+    assert not list((tmp_path / "a" / "dump").iterdir())  # the probe file is gone

@@ -2,6 +2,9 @@
 
 * a rank that raises, dies, or skips the compiled step for another collective: every other rank raises
   within the process group's timeout, with an error that says the ranks diverged; no process is left;
+* a rank that compiles while its peer runs the eager model, or comes to compile after its peer gave up:
+  both raise within the (3 s) timeout, the compiling one saying so; no process is aborted (gloo used to
+  abort the lone rank when its agreement all-gather met the eager model's of another size);
 * a rank that dies while a DCP checkpoint is being written: the checkpoint is absent (no metadata, it
   does not load), while the one written before is complete and loads;
 * compiled training for 4 steps, a DCP save, new processes that load it and train 4 more: bitwise equal
@@ -79,6 +82,46 @@ def test_a_failing_rank_stops_the_others_fast(mode):
     if mode == "die":
         assert outcomes[1] == ("died", 3)
     assert time.monotonic() - t0 < 200  # and run_ranks joined or killed every process
+
+
+LONE_TIMEOUT = 3
+
+
+def lone_compile_worker(rank, world_size, mode):
+    """Rank 0 compiles and calls the compiled model; rank 1 does ``mode`` instead."""
+    import fsdp_compile as fc
+
+    model = build(CASE)
+    x = batch(CASE, 0, rank)
+    t0 = time.monotonic()
+    try:
+        if rank == 0 or mode == "late":
+            if rank == 1:  # comes to compile after rank 0 stopped waiting for it
+                time.sleep(LONE_TIMEOUT + 3)
+                t0 = time.monotonic()
+            loss_fn(CASE, fc.compile(model, backend="aot_eager")(x), x).backward()
+        elif mode == "eager":  # FSDP2's own all-gathers, of other sizes than any agreement's
+            loss_fn(CASE, model(x), x).backward()
+    except Exception as e:  # noqa: BLE001 - what the test checks
+        return {"error": str(e), "seconds": time.monotonic() - t0}
+    return {"error": None}
+
+
+@pytest.mark.parametrize("mode", ["eager", "late"])
+def test_a_rank_that_compiles_alone_raises(mode):
+    t0 = time.monotonic()
+    outcomes = run_ranks(lone_compile_worker, 2, mode, timeout=120, pg_timeout=LONE_TIMEOUT, outcomes=True)
+    assert [status for status, _ in outcomes] == ["ok", "ok"], outcomes  # neither died (gloo aborted with -6)
+    lone, other = outcomes[0][1], outcomes[1][1]
+    assert "fsdp_compile: rank 0 waited" in lone["error"], lone
+    assert "for rank(s) [1] to agree on the fsdp_compile.CompileConfig" in lone["error"], lone
+    assert "every rank must call fsdp_compile.compile(model) and then the compiled model" in lone["error"], lone
+    assert LONE_TIMEOUT - 1 < lone["seconds"] < LONE_TIMEOUT + 10, lone  # the group's timeout, not more
+    assert other["error"] and other["seconds"] < LONE_TIMEOUT + 10, other
+    if mode == "late":  # it finds that rank 0 gave up, at once, instead of entering the compiled step alone
+        assert "rank 1 reached the ranks' agreement on the fsdp_compile.CompileConfig after rank 0" in other["error"]
+        assert other["seconds"] < 2, other
+    assert time.monotonic() - t0 < 100
 
 
 def checkpoint_fault_worker(rank, world_size, ckpt):

@@ -107,6 +107,16 @@ def test_policies():
         members([["layers.9"]])
     with pytest.raises(ValueError, match="names 'layers.1' twice"):
         members([["layers.1"], ["layers.1", "layers.2"]])
+    # a bucket is one all-gather where its first module runs: modules between its members are named
+    with pytest.raises(ValueError, match=r"bucket \['layers.0', 'layers.2'\] joins FSDP modules that are not adjacent "
+                       r"in forward order: \['layers.1'\] run between 'layers.0' and 'layers.2'.*add \['layers.1'\] to it"):
+        members([["layers.0", "layers.2"], ["layers.1"]])
+    with pytest.raises(ValueError, match=r"\['layers.1', 'layers.2'\] run between 'layers.0' and 'layers.3'"):
+        members([["layers.3", "layers.0"]])
+    # not adjacent and differing in reshard_after_forward: the order is what to fix first
+    with pytest.raises(ValueError, match=r"not adjacent in forward order: \['layers.0'\] run between '' and 'layers.1'"):
+        members([["", "layers.1"]])
+    assert members([["layers.1", "layers.0"]])[1] == ("layers.0", "layers.1")  # adjacent, in any order
     bf16 = [dataclasses.replace(m, key=m.key._replace(param_dtype=torch.bfloat16)) if m.fqn == "layers.1" else m for m in mods]
     with pytest.raises(ValueError, match=r"differ in param_dtype \(None vs torch.bfloat16\)"):
         plan_schedule(bf16, policy=[["layers.0", "layers.1"]], reorder=True, cost_model=cm, workload=64)

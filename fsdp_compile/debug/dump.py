@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import tempfile
 
 import torch.fx as fx
 
@@ -34,6 +35,26 @@ def readable(gm: fx.GraphModule) -> str:
         if node.op == "call_function" and str(node.target).startswith("_c10d_functional."):
             lines.append(f"# {node.name}: {node.target} groups={list(fsdp_groups(node))!r}")
     return text + "\n".join(lines) + "\n"
+
+
+def make_dump_dir(dump_dir: str) -> None:
+    """Create ``dump_dir`` and write a probe file in it, or raise ``ValueError`` naming the path and the OS's
+    reason. ``compile`` and ``explain`` call it, so a directory that cannot hold the dump fails there, not as
+    ``BackendCompilerFailed`` at the first step. ``CompileConfig`` checks the common mistakes when it is made
+    but creates nothing (a config is a value: made, replaced and compared without touching the disk), and only
+    creating decides: root ignores permissions, a name can be too long, the disk can change after the config."""
+    from fsdp_compile.config import DUMP_ENV
+
+    where = f"${DUMP_ENV}={dump_dir!r}" if os.environ.get(DUMP_ENV) == dump_dir else f"dump_dir={dump_dir!r}"
+    try:
+        os.makedirs(dump_dir, exist_ok=True)
+        with tempfile.TemporaryFile(dir=dump_dir, prefix=".fsdp_compile_probe"):
+            pass
+    except OSError as e:
+        raise ValueError(
+            f"{where} cannot hold the dump: {e.strerror or e} ({e.filename!r}); point it at a directory you can "
+            "write, or unset it"
+        ) from e
 
 
 def _write(dump_dir: str, name: str, text: str) -> str:

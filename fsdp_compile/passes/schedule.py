@@ -334,31 +334,53 @@ def _just_in_time(units: Sequence[Unit]) -> list[Unit]:
     return [dataclasses.replace(u, issue_at=i, backward_issue_at=i, sink=0) for i, u in enumerate(units)]
 
 
-def _explicit_units(modules: Sequence[Module], buckets: Sequence[Sequence[str]]) -> list[Unit]:
+def check_bucket_plan(modules: Sequence[Module], buckets: Sequence[Sequence[str]]) -> None:
+    """An explicit bucket plan's one problem, named, as a ``ValueError``: a module that is no FSDP module,
+    one named twice, a bucket of modules that are not adjacent in forward order, or of modules that
+    cannot share one all-gather. Checked when ``compile`` is called and again where the plan is applied."""
     order = [m.fqn for m in modules]
     by_fqn = {m.fqn: m for m in modules}
-    where: dict[str, int] = {}
-    for b, bucket in enumerate(buckets):
+    seen: set[str] = set()
+    for bucket in buckets:
         for fqn in bucket:
             if fqn not in by_fqn:
                 raise ValueError(f"bucket plan names {fqn!r}, which is not an FSDP module; FSDP modules: {order}")
-            if fqn in where:
+            if fqn in seen:
                 raise ValueError(f"bucket plan names {fqn!r} twice; each FSDP module goes in one bucket")
-            where[fqn] = b
+            seen.add(fqn)
+    for bucket in buckets:
+        # one all-gather, issued where its first module runs: a module between two members would run
+        # between the gather and the use of the later one, and the later one's parameters held across it
+        at = sorted(order.index(f) for f in bucket)
+        for a, b in zip(at, at[1:]):
+            if b > a + 1:
+                between = order[a + 1:b]
+                raise ValueError(
+                    f"bucket {list(bucket)} joins FSDP modules that are not adjacent in forward order: {between} "
+                    f"run between {order[a]!r} and {order[b]!r}; a bucket is one all-gather of adjacent modules: "
+                    f"add {between} to it, or split it"
+                )
+        members = [by_fqn[order[i]] for i in at]
+        if len({m.key for m in members}) > 1:
+            raise ValueError(
+                f"bucket {list(bucket)} mixes FSDP modules that cannot share one all-gather: they differ in "
+                f"{_key_difference(members)}; split it (one all-gather is re-gathered in backward or kept, for "
+                "all its modules alike)"
+            )
+
+
+def _explicit_units(modules: Sequence[Module], buckets: Sequence[Sequence[str]]) -> list[Unit]:
+    check_bucket_plan(modules, buckets)
+    order = [m.fqn for m in modules]
+    by_fqn = {m.fqn: m for m in modules}
+    where = {fqn: b for b, bucket in enumerate(buckets) for fqn in bucket}
     units, done = [], set()
     for m in modules:  # a bucket is gathered where its first member is needed
         b = where.get(m.fqn)
         if b is None:
             units.append(_unit([m]))
         elif b not in done:
-            members = [by_fqn[f] for f in sorted(buckets[b], key=order.index)]
-            if len({x.key for x in members}) > 1:
-                raise ValueError(
-                    f"bucket {list(buckets[b])} mixes FSDP modules that cannot share one all-gather: they differ in "
-                    f"{_key_difference(members)}; split it (one all-gather is re-gathered in backward or kept, for "
-                    "all its modules alike)"
-                )
-            units.append(_unit(members))
+            units.append(_unit([by_fqn[f] for f in sorted(buckets[b], key=order.index)]))
             done.add(b)
     return units
 
