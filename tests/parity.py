@@ -36,7 +36,8 @@ class Case:
     n_layers: int = 2
     bucket: object = "fsdp_group"  # CompileConfig.bucket (an explicit plan as a tuple of tuples)
     reorder: bool = False
-    regions: bool = True  # CompileConfig.regions (on: a second compiled model with regions off is checked too)
+    regions: bool = True  # CompileConfig.regions
+    inline: bool = False  # a second compiled model with regions off, checked too (the differential guard)
     offload: bool = False  # CPUOffloadPolicy(pin_memory=False) on every FSDP module
     replicate: int = 1  # > 1: a (replicate, world/replicate) mesh, HSDP (= world: FSDP1's NO_SHARD)
     ignored: bool = False  # the root's norm weight in ignored_params: not sharded, its gradient not reduced
@@ -134,15 +135,15 @@ def max_diff(xs, ys) -> float:
 
 
 def run_case(case: Case, rank: int, world_size: int) -> dict:
-    """Eager FSDP2 and the compiled model, trained side by side. With ``case.regions`` under ``aot_eager``
-    (the bitwise cases) a third model is compiled with regions off, the differential guard: a region must
-    compute what the inline compile computes (``inline_*`` keys). Under Inductor, whose results are only
-    close, that copy would cost a second Inductor compile and be checked by nothing."""
+    """Eager FSDP2 and the compiled model, trained side by side. With ``case.inline`` (and regions on, under
+    ``aot_eager``: the bitwise cases) a third model is compiled with regions off, the differential guard: a
+    region must compute what the inline compile computes (``inline_*`` keys). Under Inductor, whose results
+    are only close, that copy would cost a second Inductor compile and be checked by nothing."""
     import fsdp_compile as fc
 
     eager = build(case)
     variants = {"compiled": case.regions}
-    if case.regions and case.backend == "aot_eager":
+    if case.inline and case.regions and case.backend == "aot_eager":
         variants["inline"] = False
     models = {name: build(case) for name in variants}
     compiled = {

@@ -22,7 +22,7 @@ from parity import Case, batch, build, loss_fn
 
 pytestmark = pytest.mark.multirank
 
-PG_TIMEOUT = 30
+PG_TIMEOUT = 15
 CASE = Case(n_layers=2)
 
 

@@ -1,4 +1,5 @@
-"""FSDP2's runtime settings under compile, on 2 gloo ranks, bitwise against eager ``fully_shard``.
+"""FSDP2's runtime settings under compile, on 2 gloo ranks (one group for the whole file), bitwise against
+eager ``fully_shard``.
 
 * gradient accumulation without sync (``set_requires_gradient_sync(False)``): no reduce-scatter while off,
   unsharded gradients accumulated in FSDP2's dtype (the reduce dtype), reduce-scattered when it syncs;
@@ -10,6 +11,8 @@
   unsharded parameters (its handle waited, or an eager forward that kept them) are resharded by the call;
 * parameters replaced after compile (``load_state_dict(assign=True)``): the compiled step reads the new ones.
 """
+
+import functools
 
 import pytest
 import torch
@@ -35,7 +38,7 @@ def _micro(case, runner, step, rank):
     return loss.item()
 
 
-def accumulation_worker(rank, world_size, mp):
+def accumulation_worker(rank, world_size, *, mp):
     from fsdp_compile.report import count_collectives
 
     case = Case(n_layers=2, mp=mp)
@@ -66,9 +69,40 @@ def accumulation_worker(rank, world_size, mp):
     return out
 
 
-@pytest.mark.parametrize("mp", [None, "bf16", "bf16_reduce_bf16"])
-def test_accumulation_without_sync(mp):
-    for rank, r in enumerate(run_ranks(accumulation_worker, 2, mp, timeout=600)):
+def options_worker(rank, world_size):
+    """Every scenario of this file in one group of ranks (one spawn, one torch import per rank); a scenario
+    that raises is reported by name and the others still run."""
+    import traceback
+
+    scenarios = {f"accumulation-{mp}": functools.partial(accumulation_worker, mp=mp) for mp in ACCUMULATION_MP}
+    scenarios.update(mixed_sync=mixed_sync_worker, settings=settings_worker)
+    out = {}
+    for name, fn in scenarios.items():
+        try:
+            out[name] = fn(rank, world_size)
+        except Exception:  # noqa: BLE001 - reported to the test that owns the scenario
+            out[name] = {"error": traceback.format_exc()}
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_ranks(options_worker, 2, timeout=900)
+
+
+def _scenario(results, name: str) -> list[dict]:
+    per_rank = [r[name] for r in results]
+    for r in per_rank:
+        assert "error" not in r, r["error"]
+    return per_rank
+
+
+ACCUMULATION_MP = [None, "bf16", "bf16_reduce_bf16"]
+
+
+@pytest.mark.parametrize("mp", ACCUMULATION_MP)
+def test_accumulation_without_sync(results, mp):
+    for rank, r in enumerate(_scenario(results, f"accumulation-{mp}")):
         assert all(le == lc for le, lc in r["losses"]), (rank, r["losses"])
         assert max(r["grad_diff"]) == 0.0 and max(r["param_diff"]) == 0.0, (rank, r)
         assert all(r["none_after_no_sync"]), r  # no sharded gradient until the step that syncs, as in eager
@@ -111,8 +145,8 @@ def mixed_sync_worker(rank, world_size):
     return out
 
 
-def test_auto_buckets_follow_gradient_sync():
-    for rank, r in enumerate(run_ranks(mixed_sync_worker, 2, timeout=600)):
+def test_auto_buckets_follow_gradient_sync(results):
+    for rank, r in enumerate(_scenario(results, "mixed_sync")):
         assert all(le == lc for le, lc in r["losses"]), (rank, r["losses"])
         assert max(r["grad_diff"]) == 0.0 and max(r["param_diff"]) == 0.0, (rank, r)
         merged = r["units"][0]  # all alike
@@ -172,8 +206,8 @@ def settings_worker(rank, world_size):
     return out
 
 
-def test_settings_after_compile():
-    for rank, r in enumerate(run_ranks(settings_worker, 2, timeout=600)):
+def test_settings_after_compile(results):
+    for rank, r in enumerate(_scenario(results, "settings")):
         assert all(le == lc for le, lc in r["losses"]), (rank, r["losses"])
         assert max(r["grad_diff"]) == 0.0, (rank, r["grad_diff"])
         before, after = r["backward_all_gathers"]
