@@ -36,12 +36,12 @@ class Int8Gathered(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args, kwargs=None):
-        qmax = next(t.qmax for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, Int8Gathered))
+        first = next(t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, Int8Gathered))
         args, kwargs = pytree.tree_map_only(Int8Gathered, lambda t: t._tensor, (args, kwargs or {}))
         out = func(*args, **kwargs)
         if func not in _PRESERVE:
             return out
-        return pytree.tree_map_only(torch.Tensor, lambda x: Int8Gathered(x, qmax), out)
+        return pytree.tree_map_only(torch.Tensor, lambda x: type(first)(x, first.qmax), out)
 
     def __tensor_flatten__(self):
         return ["_tensor"], {"qmax": self.qmax}
@@ -74,6 +74,10 @@ class Int8GatheredOneArg(Int8Gathered):
 
     def fsdp_pre_all_gather(self, mesh):  # noqa: D102
         return super().fsdp_pre_all_gather(mesh, None, None, None, None)
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        return Int8GatheredOneArg(inner["_tensor"], meta["qmax"])
 
 
 class Opaque(torch.Tensor):

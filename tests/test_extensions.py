@@ -63,12 +63,12 @@ def _refused(model, match):
 
 def test_refused_not_traceable():
     with fake_process_group(W):
-        _refused(llama(Opaque), r"parameter 'layers.0.attention.wq.weight'.*Opaque, has no __tensor_flatten__")
+        _refused(llama(Opaque), r"parameter '(output|layers\.0\.attention\.wq)\.weight'.*Opaque, has no __tensor_flatten__")
 
 
 def test_refused_int_reshard_after_forward():
     with fake_process_group(W):
-        _refused(llama(reshard_after_forward=2), r"parameter 'layers.0.attention.wq.weight'.*reshard_after_forward is an int")
+        _refused(llama(reshard_after_forward=2), r"parameter '(output|layers\.0\.attention\.wq)\.weight'.*reshard_after_forward is an int")
 
 
 class _OddMetadata(Int8Gathered):
@@ -79,4 +79,4 @@ class _OddMetadata(Int8Gathered):
 
 def test_refused_metadata_that_is_not_plain():
     with fake_process_group(W):
-        _refused(llama(_OddMetadata), r"parameter 'layers.0.attention.wq.weight'.*metadata holds \['object'\]")
+        _refused(llama(_OddMetadata), r"parameter '(output|layers\.0\.attention\.wq)\.weight'.*metadata holds \['object'\]")
