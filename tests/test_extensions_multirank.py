@@ -79,13 +79,13 @@ def run_case(rank: int, mp: str, reshard: bool, change_metadata: bool) -> dict:
         le, lc = _step(eager, opt_e, x), _step(compiled, opt_c, x)
         out["losses"].append((le.item(), lc.item()))
         out["grad_diff"].append(_diff([p.grad for p in eager.parameters()], [p.grad for p in model.parameters()]))
+        out["grad_types"] = sorted({type(p.grad).__name__ for p in model.parameters()})
         for opt in (opt_e, opt_c):
             opt.step()
             opt.zero_grad()
         out["param_diff"].append(_diff(list(eager.parameters()), list(model.parameters())))
     out["forward_gathers"] = _gathers(compiled.captured.forward[0])
     out["dynamo_graphs"] = len(compiled.captured.dynamo)
-    out["grad_types"] = sorted({type(p.grad).__name__ for p in model.parameters()})
     out["local_types"] = sorted({type(p.to_local()).__name__ for p in model.parameters()})
     out["plan_bytes"] = {g.fqn: g.unsharded_bytes for g in compiled.plan.groups}
     block = model.layers[0]
@@ -133,7 +133,7 @@ def test_the_gather_moves_the_payload_bytes(results, mp, reshard):
     assert gathers.count(("torch.uint8", r["expected_block_bytes"])) == 2, gathers  # layers.0 and layers.1
     assert r["plan_bytes"]["layers.0"] == 2 * r["expected_block_bytes"]  # both ranks' inputs
     # without the extension each block would gather its weights in the gather dtype
-    assert r["expected_block_bytes"] < r["plain_block_bytes"] / 2
+    assert r["expected_block_bytes"] < r["plain_block_bytes"] / (3.5 if mp == "fp32" else 1.8)
 
 
 def test_changed_metadata_compiles_anew(results):
