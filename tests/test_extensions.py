@@ -80,3 +80,22 @@ class _OddMetadata(Int8Gathered):
 def test_refused_metadata_that_is_not_plain():
     with fake_process_group(W):
         _refused(llama(_OddMetadata), r"parameter '(output|layers\.0\.attention\.wq)\.weight'.*metadata holds \['object'\]")
+
+
+def test_adapter_reads_what_fsdp2_passes_fsdp_pre_all_gather():
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from fsdp_compile import _fsdp2
+    from fsdp_compile.plan import lazy_init, param_groups
+
+    with fake_process_group(W):
+        model = llama()
+        lazy_init(model)
+        _, _, pg = next(g for g in param_groups(model) if g[0] == "layers.0")
+        params = _fsdp2.layout(pg).params
+        ext = [p for p in params if p.all_gather_extension]
+        assert len(ext) == 7 and all(p.pre_all_gather_args is None for p in params if not p.all_gather_extension)
+        mesh, size, stride, module, mp = ext[0].pre_all_gather_args
+        assert size == tuple(ext[0].sharded_param.shape) and stride == (size[1], 1)
+        assert isinstance(module, torch.nn.Linear) and module.weight is ext[0].sharded_param
+        assert mesh.size() == W and mp == MixedPrecisionPolicy()
