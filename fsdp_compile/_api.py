@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_flatten
 
 import torch.distributed as dist
 
-from fsdp_compile import _fsdp2, capture
+from fsdp_compile import _extensions, _fsdp2, capture
 from fsdp_compile._agree import agree_max
 from fsdp_compile.backend import CapturedGraphs, make_backend
 from fsdp_compile.config import CompileConfig
@@ -43,10 +43,11 @@ fully_shard.__signature__ = inspect.signature(_torch_fully_shard)
 
 
 class _Step:
-    """One compiled step: its sharding plan, its schedule, the compiled function, and the parameters it reads."""
+    """One compiled step: its sharding plan, its schedule, the compiled functions (one per all-gather
+    extension key, ``_extensions.prepare``: a single one without extensions), and the parameters it reads."""
 
-    def __init__(self, model: nn.Module, plan: ShardingPlan, schedule: Schedule, compiled):
-        self.plan, self.schedule, self.compiled = plan, schedule, compiled
+    def __init__(self, model: nn.Module, plan: ShardingPlan, schedule: Schedule, build):
+        self.plan, self.schedule, self._build, self._compiled = plan, schedule, build, {}
         self.param_plans = [capture.unit_params(plan, u) for u in schedule.units]
         self.params = self.lookup(model)
         owners: dict[int, tuple[nn.Module, str]] = {}
@@ -55,6 +56,13 @@ class _Step:
                 if p is not None:
                     owners.setdefault(id(p), (module, name))
         self._slots = [[owners[id(p)] for p in unit] for unit in self.params]  # where each parameter lives
+
+    def compiled(self, key: tuple):
+        """The compiled function for all-gather extensions laid out as ``key`` (this rank alone: no collective)."""
+        fn = self._compiled.get(key)
+        if fn is None:
+            fn = self._compiled[key] = self._build(key)
+        return fn
 
     def lookup(self, model: nn.Module) -> list[list[nn.Parameter]]:
         """The model's current parameter objects, per unit."""
@@ -114,11 +122,13 @@ class CompiledFSDPModule(nn.Module):
         # autograd carries each shard gradient back to its DTensor parameter's .grad, while the graph
         # sees plain tensors only (no DTensor desugaring, no DeviceMesh among the saved values, which
         # AOTAutograd's activation-checkpointing path cannot save).
-        shards = [[p.to_local() for p in unit] for unit in step.params]
+        # All-gather extensions' fsdp_pre_all_gather runs here too (_extensions.py says why).
+        world_size = {p.fqn: g.world_size for g in step.plan.groups for p in g.params}
+        shards, extensions, key = _extensions.prepare(step.params, step.param_plans, lambda pp: world_size[pp.fqn])
         sinks, accumulated = self._gradient_sync(step)
         try:
             with capture.active(self.config.regions, self._attachment.loggers), _named_collective_failures():
-                return step.compiled(shards, sinks, accumulated, *args, **kwargs)
+                return step.compiled(key)(shards, sinks, accumulated, extensions, *args, **kwargs)
         finally:
             capture.flush_logs()
 
@@ -223,12 +233,17 @@ class CompiledFSDPModule(nn.Module):
             bucket_cap_bytes=None if cfg.bucket_cap_mb is None else int(cfg.bucket_cap_mb * 2**20),
             memory_budget_bytes=None if cfg.memory_budget_gb is None else cfg.memory_budget_gb * 2**30,
         )
-        fn = _make_step(self._orig_mod, self.plan, schedule, self.kernels)
-        # its own code object: Dynamo keeps its compiled entries (and its recompile limit, 8 by default)
-        # per code object, so one process can hold many compiled models without their guards evicting each other
-        fn = capture._unique_code(fn, f"fsdp_compile_step_{next(_instances)}")
-        backend = make_backend(cfg, self.plan, schedule, self.cost_model, self.captured, codegen=self._codegen)
-        return _Step(self._orig_mod, self.plan, schedule, torch.compile(fn, backend=backend, fullgraph=True))
+        plan = self.plan
+
+        def build(key: tuple):
+            fn = _make_step(self._orig_mod, plan, schedule, self.kernels, key)
+            # its own code object: Dynamo keeps its compiled entries (and its recompile limit, 8 by default)
+            # per code object, so one process can hold many compiled models without their guards evicting each other
+            fn = capture._unique_code(fn, f"fsdp_compile_step_{next(_instances)}")
+            backend = make_backend(cfg, plan, schedule, self.cost_model, self.captured, codegen=self._codegen)
+            return torch.compile(fn, backend=backend, fullgraph=True)
+
+        return _Step(self._orig_mod, self.plan, schedule, build)
 
     def detach(self) -> None:
         """Give the model back to eager FSDP2 exactly as ``compile`` found it: FSDP2's own forward hooks under
@@ -298,12 +313,13 @@ def _named_collective_failures():
         ) from e
 
 
-def _make_step(model, plan, schedule, kernels):
+def _make_step(model, plan, schedule, kernels, key: tuple):
     # each unit's op arguments, encoded once, outside the trace (a constant string in the graph)
-    unshard_arguments = [capture.unshard_args(plan, u, i, kernels).encode() for i, u in enumerate(schedule.units)]
+    unshard_arguments = [capture.unshard_args(plan, u, i, kernels, key[i]).encode() for i, u in enumerate(schedule.units)]
 
-    def step(shards, sinks, accumulated, *args, **kwargs):
-        return capture.traced_forward(model, plan, schedule, unshard_arguments, shards, sinks, accumulated, args, kwargs)
+    def step(shards, sinks, accumulated, extensions, *args, **kwargs):
+        return capture.traced_forward(model, plan, schedule, unshard_arguments, key, shards, sinks, accumulated,
+                                      extensions, args, kwargs)
 
     return step
 

@@ -187,6 +187,9 @@ class Param:
     # and stride), which the gathered local tensor is wrapped in again, as FSDP2's init_unsharded_param does
     unsharded_spec: object | None
     all_gather_extension: bool  # the local shard implements fsdp_pre_all_gather (float8, ...)
+    # what FSDP2 passes an extension's fsdp_pre_all_gather after the shard: (its shard mesh, orig size, contiguous
+    # orig stride, its module, its MixedPrecisionPolicy); None for a plain parameter
+    pre_all_gather_args: tuple | None
     param_dtype: torch.dtype | None  # MixedPrecisionPolicy.param_dtype, where it differs from orig_dtype
     orig_dtype: torch.dtype
 
@@ -220,13 +223,18 @@ def layout(pg) -> Layout:
     params = []
     for fp in _get(pg, "fsdp_params"):
         local = getattr(fp, "_sharded_local_tensor", None)
+        extension = getattr(fp, "_extensions_data", None) is not None and hasattr(local, "fsdp_pre_all_gather")
         params.append(Param(
             fqn=_get(fp, "_param_fqn"),
             sharded_param=_get(fp, "sharded_param"),
             placement=_get(fp, "fsdp_placement"),
             unsharded_shape=tuple(_get(fp, "_orig_size")),
             unsharded_spec=_get(fp, "_unsharded_dtensor_spec") if _get(fp, "is_dtensor") else None,
-            all_gather_extension=getattr(fp, "_extensions_data", None) is not None and hasattr(local, "fsdp_pre_all_gather"),
+            all_gather_extension=extension,
+            pre_all_gather_args=(
+                _get(fp, "shard_mesh_from_root"), tuple(_get(fp, "_orig_size")), tuple(_get(fp, "_contiguous_orig_stride")),
+                _get(_get(fp, "_module_info"), "module"), _get(fp, "mp_policy"),
+            ) if extension else None,
             param_dtype=_get(fp, "param_dtype"),
             orig_dtype=_get(fp, "orig_dtype"),
         ))

@@ -27,7 +27,8 @@ import weakref
 import torch
 import torch.nn as nn
 
-from fsdp_compile import _fsdp2, _invoke_subgraph
+from fsdp_compile import _extensions, _fsdp2, _invoke_subgraph
+from fsdp_compile._annotations import UNSHARD, annotate
 from fsdp_compile.ops import Comm, Reduction, UnshardArgs
 from fsdp_compile.passes.schedule import Schedule, Unit
 from fsdp_compile.plan import ParamPlan, ShardingPlan, fsdp_states
@@ -248,18 +249,32 @@ def attach(model: nn.Module, plan: ShardingPlan) -> Attachment:
 
 
 def traced_forward(
-    model: nn.Module, plan: ShardingPlan, schedule: Schedule, unshard_arguments: list[str],
-    shards: list[list[torch.Tensor]], sinks: list[list], accumulated: list[list], args, kwargs
+    model: nn.Module, plan: ShardingPlan, schedule: Schedule, unshard_arguments: list[str], key: tuple,
+    shards: list[list[torch.Tensor]], sinks: list[list], accumulated: list[list], extensions: list[list], args, kwargs
 ):
     """The function Dynamo captures: one ``fsdp_compile::unshard`` per unit of the schedule (``shards[i]``:
     the local shards of ``unit_params(plan, schedule.units[i])``; ``unshard_arguments[i]``: its encoded
     ``UnshardArgs``, made before tracing; ``sinks[i]`` / ``accumulated[i]``: gradient accumulation without
-    sync, see the op), then the model on the full parameters."""
+    sync, see the op; ``key[i]`` / ``extensions[i]``: its all-gather extensions, ``_extensions.prepare``),
+    then the model on the full parameters."""
     full = {}
     for i, (unit, unit_shards) in enumerate(zip(schedule.units, shards)):
         params = unit_params(plan, unit)
-        gathered = torch.ops.fsdp_compile.unshard(unit_shards, sinks[i], accumulated[i], unshard_arguments[i])
-        full.update({p.fqn: t if p.parallel is None else _as_dtensor(t, p.parallel) for p, t in zip(params, gathered)})
+        if key[i] is None:
+            gathered = torch.ops.fsdp_compile.unshard(unit_shards, sinks[i], accumulated[i], [], unshard_arguments[i])
+            full.update({p.fqn: t if p.parallel is None else _as_dtensor(t, p.parallel) for p, t in zip(params, gathered)})
+            continue
+        selves, payloads, metadatas = _extensions.split(extensions[i], key[i])
+        outs = iter(torch.ops.fsdp_compile.unshard(unit_shards, sinks[i], accumulated[i], payloads, unshard_arguments[i]))
+        dtype = plan.group(unit.members[0]).param_dtype
+        with annotate(UNSHARD, unit.members, i):  # part of the unit's unshard chain (re-gathered for reshard_after_forward)
+            for p, layout in zip(params, key[i]):
+                if layout is None:
+                    full[p.fqn] = next(outs)
+                    continue
+                outputs = [next(outs) for _ in range(layout.n_inputs)]
+                full[p.fqn] = _extensions.post_all_gather(
+                    selves.pop(0), outputs, metadatas.pop(0), next(outs), dtype or p.orig_dtype, p.full_shape, p.fqn)
     return torch.func.functional_call(model, full, args, kwargs, tie_weights=True, strict=False)
 
 
@@ -279,16 +294,18 @@ def unit_params(plan: ShardingPlan, unit: Unit) -> list[ParamPlan]:
     return [p for p in params if p.fqn == unit.param] if unit.param is not None else params
 
 
-def unshard_args(plan: ShardingPlan, unit: Unit, index: int, kernels: str) -> UnshardArgs:
+def unshard_args(plan: ShardingPlan, unit: Unit, index: int, kernels: str, layouts: tuple | None = None) -> UnshardArgs:
     """The ``fsdp_compile::unshard`` arguments of schedule unit ``index`` (its members share everything but
-    their parameters: ``GroupPlan.bucket_key``)."""
+    their parameters: ``GroupPlan.bucket_key``); ``layouts``: its all-gather extensions' (``_extensions.Layout``)."""
     group = plan.group(unit.members[0])
+    payloads = () if layouts is None else tuple(0 if x is None else x.n_inputs for x in layouts)
     return UnshardArgs(
         comm=Comm(unit.members, index, group.group_name, group.world_size, kernels),
         dim0s=tuple(p.full_shape[0] for p in unit_params(plan, unit)),
         param_dtype=group.param_dtype,
         reduction=Reduction(group.reduce_dtype, group.reduce_op, group.pre_factor, group.post_factor,
                             group.replicate_group_name, group.all_reduce_op),
+        payloads=payloads,
     )
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import json
 from collections.abc import Sequence
 from typing import Optional
@@ -132,6 +133,9 @@ class UnshardArgs(_Record):
     dim0s: tuple[int, ...]  # each parameter's unsharded dim-0 size (the rest of its shape: the shard's)
     param_dtype: torch.dtype | None  # all-gather and compute dtype; None: the parameter's own
     reduction: Reduction  # parametrizes the backward (reduce_scatter_grads)
+    # per parameter, how many all-gather inputs its fsdp_pre_all_gather returned (0: a plain parameter; see
+    # _extensions.py); () when the unit has no extension
+    payloads: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,10 +190,12 @@ def _copy_out(gathered: Tensor, shards: Sequence[Tensor], dim0s: Sequence[int], 
     return outs
 
 
-def unshard_impl(shards: list[Tensor], args: UnshardArgs) -> list[Tensor]:
+def unshard_impl(shards: list[Tensor], args: UnshardArgs, payloads: Sequence[Tensor] = ()) -> list[Tensor]:
     """copy-in -> all-gather -> wait -> copy-out, every node annotated with the FSDP group."""
     c = args.comm
     with annotate(UNSHARD, c.fsdp_groups, c.unit):
+        if any(args.payloads):  # all-gather extensions: torch ops (the Triton copy kernels take parameters only)
+            return _unshard_payloads(shards, args, payloads)
         if c.kernels == "triton":  # one launch each for copy-in and copy-out (fsdp_compile.kernels)
             from fsdp_compile import kernels as K
 
@@ -202,6 +208,49 @@ def unshard_impl(shards: list[Tensor], args: UnshardArgs) -> list[Tensor]:
         flat = _copy_in(shards, args.dim0s, c.world_size, args.param_dtype)
         gathered = _c10d.wait_tensor(_c10d.all_gather_into_tensor(flat, c.world_size, c.group_name))
         return _copy_out(gathered, shards, args.dim0s, c.world_size)
+
+
+def _unshard_payloads(shards: Sequence[Tensor], args: UnshardArgs, payloads: Sequence[Tensor]) -> list[Tensor]:
+    """A unit with all-gather extensions, as FSDP2's ``foreach_all_gather`` and its copy-out: every rank's
+    inputs (plain parameters padded and cast, extensions' ``fsdp_pre_all_gather`` tensors as they are)
+    in one buffer, of their dtype where they share one, else as bytes (uint8). Per extension parameter it
+    returns its gathered inputs (each ``[W * rows, *rest]``, FSDP2's unflatten) and a stride-0 handle of the
+    parameter's shape, whose gradient (``_extensions.Attach``) the backward reduce-scatters."""
+    c, world_size = args.comm, args.comm.world_size
+    pieces, kinds, it = [], [], iter(payloads)
+    for shard, d, n in zip(shards, args.dim0s, args.payloads):
+        if n == 0:
+            pieces.append(_copy_in([shard], [d], world_size, args.param_dtype))
+            kinds.append((tuple(shard.shape[1:]), d))
+        else:
+            for _ in range(n):
+                t = next(it)
+                pieces.append(t.reshape(-1))
+                kinds.append(tuple(t.shape))
+    packed = len({p.dtype for p in pieces}) > 1
+    flats = [p.view(torch.uint8) for p in pieces] if packed else pieces
+    flat = torch.cat(flats) if len(flats) > 1 else flats[0].clone()
+    gathered = _c10d.wait_tensor(_c10d.all_gather_into_tensor(flat, world_size, c.group_name))
+    per_rank = gathered.view(world_size, -1)
+    outs, offset, k = [], 0, 0
+    for shard, d, n in zip(shards, args.dim0s, args.payloads):
+        for _ in range(max(n, 1)):
+            piece, kind = pieces[k], kinds[k]
+            size = flats[k].numel()
+            chunk = per_rank[:, offset : offset + size].reshape(-1)
+            if packed:
+                chunk = (chunk if world_size > 1 else chunk.clone()).view(piece.dtype)  # aligned, its own memory
+            if n == 0:
+                tail, rows = kind
+                full = chunk.view(world_size * padded_rows(rows, world_size), *tail)
+                outs.append(full[:rows] if full.shape[0] != rows else full)
+            else:
+                outs.append(chunk.view(-1, *kind[1:]))
+            offset, k = offset + size, k + 1
+        if n:
+            shape = (d, *shard.shape[1:])
+            outs.append(torch.empty_strided(shape, (0,) * len(shape), dtype=args.param_dtype or shard.dtype, device=shard.device))
+    return outs
 
 
 def reduce_scatter_grads_impl(grads: list[Tensor], args: ReduceScatterArgs) -> list[Tensor]:
@@ -268,7 +317,8 @@ def _unpack_grads(reduced: Tensor, grads, local_rows, world_size: int, dtype: to
 
 
 @torch.library.custom_op("fsdp_compile::unshard", mutates_args=())
-def unshard(shards: list[Tensor], sinks: list[Optional[Tensor]], accumulated: list[Optional[Tensor]], args: str) -> list[Tensor]:
+def unshard(shards: list[Tensor], sinks: list[Optional[Tensor]], accumulated: list[Optional[Tensor]],
+            payloads: list[Tensor], args: str) -> list[Tensor]:
     """All-gather one unit's dim-0 shards into full parameters (see the module docstring). ``args`` is
     ``UnshardArgs.encode()``; its reduce-side fields parametrize the backward.
 
@@ -276,14 +326,31 @@ def unshard(shards: list[Tensor], sinks: list[Optional[Tensor]], accumulated: li
     parameter, empty otherwise) are leaves that own no memory; the backward then hands them the unsharded
     gradients instead of reduce-scattering, and autograd accumulates them into ``sink.grad`` in the sink's
     dtype (the reduce dtype), as FSDP2 keeps its unsharded gradients. The step that syncs passes those as
-    ``accumulated``: its backward adds them to its own before the reduce-scatter, as FSDP2 does."""
-    return [t.clone() for t in unshard_impl(shards, UnshardArgs.decode(args))]
+    ``accumulated``: its backward adds them to its own before the reduce-scatter, as FSDP2 does.
+
+    All-gather extensions: ``payloads`` are the units' ``fsdp_pre_all_gather`` tensors (``_unshard_payloads``
+    says what comes back for those parameters)."""
+    outs = unshard_impl(shards, UnshardArgs.decode(args), payloads)
+    return [t if t.dim() and 0 in t.stride() else t.clone() for t in outs]  # a stride-0 handle is its own memory
 
 
 @unshard.register_fake
-def _(shards, sinks, accumulated, args):
+def _(shards, sinks, accumulated, payloads, args):
     a = UnshardArgs.decode(args)
-    return [s.new_empty((d, *s.shape[1:]), dtype=a.param_dtype or s.dtype) for s, d in zip(shards, a.dim0s)]
+    if not any(a.payloads):
+        return [s.new_empty((d, *s.shape[1:]), dtype=a.param_dtype or s.dtype) for s, d in zip(shards, a.dim0s)]
+    outs, it, w = [], iter(payloads), a.comm.world_size
+    for s, d, n in zip(shards, a.dim0s, a.payloads):
+        dtype = a.param_dtype or s.dtype
+        if n == 0:
+            outs.append(s.new_empty((d, *s.shape[1:]), dtype=dtype))
+            continue
+        for _ in range(n):
+            t = next(it)
+            outs.append(t.new_empty((w * t.shape[0], *t.shape[1:]) if t.dim() else (w,)))
+        shape = (d, *s.shape[1:])
+        outs.append(s.new_empty_strided(shape, (0,) * len(shape), dtype=dtype))
+    return outs
 
 
 @torch.library.custom_op("fsdp_compile::reduce_scatter_grads", mutates_args=())
@@ -319,7 +386,7 @@ def _(gathered, group_name):
 
 
 def _unshard_setup_context(ctx, inputs, output) -> None:
-    shards, sinks, accumulated, args = inputs
+    shards, sinks, accumulated, payloads, args = inputs
     # A parameter whose gathered tensor gets no gradient (used only through argmax, say) keeps .grad None and
     # is not reduce-scattered, as in FSDP2's post-backward; materialized, it would be reduced as zeros and an
     # optimizer would then step it (weight decay, Adam's moments) where eager leaves it alone.
@@ -332,16 +399,20 @@ def _unshard_setup_context(ctx, inputs, output) -> None:
     ctx.accumulated_at = [i for i, a in enumerate(accumulated) if a is not None]
     ctx.save_for_backward(*[a for a in accumulated if a is not None])
     ctx.n_schema = 1  # the encoded args
+    ctx.n_payloads = len(payloads)  # no gradient: FSDP2 gathers them under no_grad
     ctx.n_sinks, ctx.n_accumulated = len(sinks), len(accumulated)  # each [] or one per shard
 
 
 def _unshard_backward(ctx, grads):
     args: UnshardArgs = ctx.args
+    if any(args.payloads):  # per parameter: its output's gradient, or its handle's (the last of its outputs)
+        ends = itertools.accumulate(n + 1 for n in args.payloads)
+        grads = [grads[e - 1] for e in ends]
     nones = [None] * len(grads)
     no_accumulated = [None] * ctx.n_accumulated
     if ctx.no_sync:  # no reduce-scatter: the unsharded gradients go to the sinks (autograd accumulates them)
         to_sinks = [g if ctx.trainable[i] else None for i, g in enumerate(grads)]
-        return (nones, to_sinks, no_accumulated, *([None] * ctx.n_schema))
+        return (nones, to_sinks, no_accumulated, [None] * ctx.n_payloads, *([None] * ctx.n_schema))
     grads = list(grads)
     for i, acc in zip(ctx.accumulated_at, ctx.saved_tensors):  # FSDP2: accumulated += this backward's gradient
         grads[i] = acc if grads[i] is None else acc + grads[i]
@@ -355,7 +426,7 @@ def _unshard_backward(ctx, grads):
         reduced = reduce_scatter_grads([grads[i] for i in keep], *rs.schema())
         for i, g in zip(keep, reduced):
             shard_grads[i] = g
-    return (shard_grads, [None] * ctx.n_sinks, no_accumulated, *([None] * ctx.n_schema))
+    return (shard_grads, [None] * ctx.n_sinks, no_accumulated, [None] * ctx.n_payloads, *([None] * ctx.n_schema))
 
 
 unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup_context)
@@ -364,7 +435,7 @@ unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup_contex
 # AOTAutograd decomposes our ops into the functional collectives above (see backend.py).
 DECOMPOSITIONS = {
     torch.ops.fsdp_compile.unshard.default: (
-        lambda shards, sinks, accumulated, args: unshard_impl(shards, UnshardArgs.decode(args))
+        lambda shards, sinks, accumulated, payloads, args: unshard_impl(shards, UnshardArgs.decode(args), payloads)
     ),
     torch.ops.fsdp_compile.reduce_scatter_grads.default: (
         lambda grads, args: reduce_scatter_grads_impl(grads, ReduceScatterArgs.decode(args))

@@ -43,6 +43,22 @@ class ParallelSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class ExtensionSpec:
+    """A parameter whose local shard implements FSDP2's all-gather extension (``fsdp_pre_all_gather`` /
+    ``fsdp_post_all_gather``, ``_extensions.py``): what its ``fsdp_pre_all_gather`` is called with, as FSDP2
+    calls it, and the bytes one rank's all-gather inputs take (measured once, at plan time)."""
+
+    kind: str  # the local shard's class name (what the fingerprint compares)
+    mesh: object  # FSDP2's shard mesh (shard_mesh_from_root)
+    orig_size: tuple[int, ...]
+    contiguous_stride: tuple[int, ...]
+    module: object  # the nn.Module FSDP2 passes (the parameter's owner)
+    mp_policy: object  # its MixedPrecisionPolicy
+    one_arg: bool  # the older fsdp_pre_all_gather(mesh) signature
+    input_bytes: int  # bytes of one rank's all-gather inputs
+
+
+@dataclasses.dataclass(frozen=True)
 class ParamPlan:
     fqn: str  # first FQN in ``model.named_parameters()``; tied aliases resolve to it
     full_shape: tuple[int, ...]  # what the all-gather rebuilds: the parameter's shape, or its TP/EP-local one
@@ -51,6 +67,13 @@ class ParamPlan:
     requires_grad: bool
     matmul: bool  # a weight of matrix products (2-D or more, and not only an embedding table): the cost model's FLOPs
     parallel: ParallelSpec | None = None  # a DTensor before fully_shard: what the module is handed
+    extension: ExtensionSpec | None = None  # gathers what fsdp_pre_all_gather returns (float8, ...)
+
+    def gathered_bytes(self, world_size: int, gather_dtype: torch.dtype | None) -> int:
+        """Bytes its all-gather moves: its all-gather inputs from every rank, or its padded rows in ``gather_dtype``."""
+        if self.extension is not None:
+            return self.extension.input_bytes * world_size
+        return _padded_numel(self.full_shape, world_size) * (gather_dtype or self.orig_dtype).itemsize
 
 
 class BucketKey(NamedTuple):
@@ -98,8 +121,9 @@ class GroupPlan:
 
     @property
     def unsharded_bytes(self) -> int:
-        """Bytes one all-gather of this group moves: every parameter padded to W rows, in ``param_dtype``."""
-        return sum(_padded_numel(p.full_shape, self.world_size) * (self.param_dtype or p.orig_dtype).itemsize for p in self.params)
+        """Bytes one all-gather of this group moves: every parameter padded to W rows, in ``param_dtype``; an
+        all-gather extension's inputs (int8 or float8 data and their scales) as they are."""
+        return sum(p.gathered_bytes(self.world_size, self.param_dtype) for p in self.params)
 
     @property
     def reduce_bytes(self) -> int:
@@ -143,7 +167,9 @@ class ShardingPlan:
              "forward_prefetch": list(g.forward_prefetch), "backward_prefetch": list(g.backward_prefetch),
              "params": [{"fqn": p.fqn, "shape": list(p.full_shape), "dtype": str(p.orig_dtype),
                          "requires_grad": p.requires_grad, "matmul": p.matmul,
-                         "parallel": None if p.parallel is None else p.parallel.describe()} for p in g.params]}
+                         "parallel": None if p.parallel is None else p.parallel.describe(),
+                         "extension": None if p.extension is None else [p.extension.kind, p.extension.input_bytes]}
+                        for p in g.params]}
             for g in self.groups
         ]
 
@@ -385,8 +411,6 @@ def _read_group(fqn: str, layout: _fsdp2.Layout, settings: Settings, canonical: 
         where_p = f"parameter {canonical.get(param, fp.fqn)!r}"
         if not isinstance(param, DTensor) or fp.placement != Shard(0):
             raise NotImplementedError(f"{where_p}: only Shard(0) placements are supported (got {fp.placement})")
-        if fp.all_gather_extension:
-            raise NotImplementedError(f"{where_p}: tensor subclasses with fsdp_pre_all_gather are not supported yet")
         if param not in canonical:
             raise ValueError(f"{where_p} is managed by FSDP but not reachable by model.named_parameters()")
         local = param.to_local()
@@ -405,7 +429,14 @@ def _read_group(fqn: str, layout: _fsdp2.Layout, settings: Settings, canonical: 
                 )
             spec = fp.unsharded_spec
             parallel = ParallelSpec(spec.mesh, tuple(spec.placements), tuple(spec.shape), tuple(spec.stride))
-        params.append(ParamPlan(canonical[param], full, local.shape[0], param.dtype, param.requires_grad, matmul, parallel))
+        extension = None
+        if fp.all_gather_extension:
+            from fsdp_compile import _extensions
+
+            extension = _extensions.read_spec(where_p, local, fp.pre_all_gather_args, parallel is not None,
+                                              layout.post_forward is not None, world_size)
+        params.append(ParamPlan(canonical[param], full, local.shape[0], param.dtype, param.requires_grad, matmul,
+                                parallel, extension))
     trainable = [p for p in layout.params if p.sharded_param.requires_grad]
     param_dtype = next((p.param_dtype for p in layout.params if p.param_dtype is not None), None)
     grad_dtype = param_dtype or (trainable[0].orig_dtype if trainable else None)

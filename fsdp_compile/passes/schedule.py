@@ -127,7 +127,7 @@ def modules_of(plan) -> list[Module]:
         param_bytes, reduce_bytes, flops = [], [], []
         for p in g.params:
             padded = padded_rows(p.full_shape[0], g.world_size) * g.world_size * math.prod(p.full_shape[1:])
-            param_bytes.append(padded * gather.itemsize)
+            param_bytes.append(p.gathered_bytes(g.world_size, gather))  # an all-gather extension's inputs as they are
             reduce_bytes.append(padded * (g.reduce_dtype or p.orig_dtype).itemsize if p.requires_grad else 0)
             flops.append(2 * math.prod(p.full_shape) if p.matmul else 0)
         out.append(Module(

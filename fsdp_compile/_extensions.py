@@ -1,0 +1,204 @@
+"""FSDP2's all-gather extensions under compile: a local shard that implements ``fsdp_pre_all_gather`` and
+``fsdp_post_all_gather`` (torchao's float8 weights, quantized weights) is gathered as what it sends.
+
+FSDP2's contract (``_fsdp_param.py``): ``fsdp_pre_all_gather(mesh, orig_size, contiguous_orig_stride, module,
+mp_policy)`` (or the older ``fsdp_pre_all_gather(mesh)``) returns ``(all-gather inputs, metadata)``;
+``fsdp_post_all_gather(outputs, metadata, param_dtype)`` returns ``(unsharded tensor, inner tensors)``; the
+unsharded parameter is a leaf whose gradient is reduce-scattered into the sharded parameter's ``.grad``.
+
+Here, per compiled call:
+
+* eagerly, just outside the graph where ``to_local()`` is taken (``prepare``): ``fsdp_pre_all_gather`` runs
+  under ``no_grad``, as in FSDP2. Outside, because it is free to do what a graph cannot hold: torchao's
+  float8 all-reduces the weight's amax over ``mesh`` with an eager collective, and its metadata may be any
+  Python object. Its tensors (inputs, tensors in the metadata) enter the graph as inputs; the rest of the
+  metadata (structure and non-tensor leaves) is part of the key the compiled step is looked up by
+  (``Key``), so new metadata compiles anew (on this rank alone: no collective) and is never reused stale;
+* in the graph: the unit's ``fsdp_compile::unshard`` gathers those inputs with its plain parameters in one
+  all-gather (``ops.py``: one buffer, as bytes where dtypes differ, as FSDP2's ``foreach_all_gather``
+  packs them), ``fsdp_post_all_gather`` rebuilds the parameter from the gathered outputs under ``no_grad``,
+  and ``Attach`` hands its gradient to the op's backward, which reduce-scatters it with the unit's other
+  gradients. The op sees a stand-in for the shard (``ShardGrad``: no memory, stride 0) whose gradient goes
+  to the local shard, hence to the DTensor's ``.grad``, as FSDP2's post-backward sets it.
+
+Refused, naming the parameter: a subclass without ``__tensor_flatten__`` (its ``fsdp_post_all_gather``
+runs on it inside the graph), parameters that were DTensors before ``fully_shard`` (TP), an int
+``reshard_after_forward`` (FSDP2 refuses it too), and metadata whose non-tensor leaves are not plain
+constants. ``fsdp_post_all_gather`` is never called with ``out=``: each step builds its tensor anew.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+from torch.utils import _pytree as pytree
+
+from fsdp_compile._layout import padded_rows
+
+_CONSTANTS = (type(None), bool, int, float, str, torch.dtype, torch.Size)
+
+
+def read_spec(where: str, local: Tensor, args: tuple, parallel: bool, post_forward: bool, world_size: int):
+    """The plan's ``ExtensionSpec`` of one parameter (``plan._read_group``), or a ``NotImplementedError``
+    that names it and why."""
+    from fsdp_compile.plan import ExtensionSpec
+
+    kind = type(local).__name__
+    why = None
+    if not hasattr(type(local), "__tensor_flatten__"):
+        why = (f"its local shard, a {kind}, has no __tensor_flatten__: fsdp_post_all_gather runs on it inside the "
+               "graph, which needs a traceable wrapper subclass (__tensor_flatten__ / __tensor_unflatten__)")
+    elif parallel:
+        why = "it was a DTensor before fully_shard (tensor or expert parallelism)"
+    elif post_forward:
+        why = "reshard_after_forward is an int (FSDP2 itself cannot reshard an extension's parameter to a smaller mesh)"
+    n_args = len(inspect.signature(local.fsdp_pre_all_gather).parameters)
+    if why is None and n_args not in (1, 5):
+        why = f"fsdp_pre_all_gather takes {n_args} arguments; FSDP2 calls it with 1 (mesh) or 5"
+    if why is not None:
+        raise NotImplementedError(f"{where}: its all-gather extension (fsdp_pre_all_gather) is not supported under "
+                                  f"fsdp_compile.compile: {why}; train it with eager FSDP2")
+    mesh, orig_size, stride, module, mp_policy = args
+    spec = ExtensionSpec(kind, mesh, orig_size, stride, module, mp_policy, n_args == 1, 0)
+    inputs, _ = pre_all_gather(where, local, spec, world_size)
+    return ExtensionSpec(kind, mesh, orig_size, stride, module, mp_policy, n_args == 1,
+                         sum(t.numel() * t.element_size() for t in inputs))
+
+
+def pre_all_gather(where: str, local: Tensor, spec, world_size: int) -> tuple[tuple[Tensor, ...], object]:
+    """``fsdp_pre_all_gather`` as FSDP2 calls it (under ``no_grad``), with FSDP2's checks of what it returns."""
+    with torch.no_grad():
+        if spec.one_arg:
+            inputs, metadata = local.fsdp_pre_all_gather(spec.mesh)
+        else:
+            inputs, metadata = local.fsdp_pre_all_gather(
+                spec.mesh, torch.Size(spec.orig_size), spec.contiguous_stride, spec.module, spec.mp_policy)
+    inputs = tuple(inputs)
+    if not inputs or not all(type(t) is Tensor for t in inputs):
+        raise NotImplementedError(f"{where}: fsdp_pre_all_gather must return plain tensors to all-gather, got "
+                                  f"{[type(t).__name__ for t in inputs]}")
+    padded = padded_rows(spec.orig_size[0], world_size)
+    if local.shape[0] != padded and any(t.dim() == 0 or t.shape[0] != padded for t in inputs):
+        raise ValueError(f"{where} is unevenly sharded: fsdp_pre_all_gather must return inputs of {padded} rows "
+                         f"(FSDP2's padded shard), got {[tuple(t.shape) for t in inputs]}")
+    return tuple(t.contiguous() for t in inputs), metadata
+
+
+class ShardGrad(torch.autograd.Function):
+    """An extension parameter's local shard as the unshard op's input: a plain tensor of its shape and dtype
+    that owns no memory (stride 0); the gradient the op hands it goes to the local shard."""
+
+    @staticmethod
+    def forward(ctx, local: Tensor) -> Tensor:
+        return torch.empty_strided(local.shape, (0,) * local.dim(), dtype=local.dtype, device=local.device)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        return grad
+
+
+class Attach(torch.autograd.Function):
+    """``fsdp_post_all_gather``'s tensor, with its gradient handed to ``handle`` (the unshard op's output for
+    this parameter): what FSDP2's unsharded parameter leaf and its post-backward reduce-scatter do."""
+
+    @staticmethod
+    def forward(ctx, full: Tensor, handle: Tensor) -> Tensor:
+        return full.view_as(full)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return None, grad
+
+
+class Layout(NamedTuple):
+    """What of one extension parameter's call the graph is specialized on (part of the step's key)."""
+
+    n_inputs: int  # tensors fsdp_pre_all_gather returned
+    metadata: pytree.TreeSpec  # the metadata's structure
+    constants: tuple  # its leaves: (True, None) for a tensor (a graph input), (False, value) for a constant
+
+
+Key = tuple  # per unit: None (no extension) or, per parameter, None or its Layout
+
+
+def prepare(units_params: list[list], units_plans: list[list], world_size_of) -> tuple[list, list, Key]:
+    """Per unit: the op's shard inputs (stand-ins for extension parameters), the extension tensors (per
+    extension parameter: its local shard, detached, then its all-gather inputs, then its metadata's tensors),
+    and the key of the step they need."""
+    shards, tensors, key = [], [], []
+    for params, plans in zip(units_params, units_plans):
+        if not any(pp.extension is not None for pp in plans):
+            shards.append([p.to_local() for p in params])
+            tensors.append([])
+            key.append(None)
+            continue
+        unit_shards, unit_tensors, layouts = [], [], []
+        for p, pp in zip(params, plans):
+            local = p.to_local()
+            if pp.extension is None:
+                unit_shards.append(local)
+                layouts.append(None)
+                continue
+            where = f"parameter {pp.fqn!r}"
+            inputs, metadata = pre_all_gather(where, local, pp.extension, world_size_of(pp))
+            leaves, spec = pytree.tree_flatten(metadata)
+            odd = [type(x).__name__ for x in leaves if not isinstance(x, (Tensor, *_CONSTANTS))]
+            if odd:
+                raise NotImplementedError(
+                    f"{where}: fsdp_pre_all_gather's metadata holds {odd}: fsdp_compile.compile supports tensors and "
+                    "plain constants (None, bool, int, float, str, dtype) there, whose changes it can see")
+            unit_shards.append(ShardGrad.apply(local))
+            unit_tensors += [local.detach(), *inputs, *(x for x in leaves if isinstance(x, Tensor))]
+            layouts.append(Layout(len(inputs), spec, tuple((True, None) if isinstance(x, Tensor) else (False, x) for x in leaves)))
+        shards.append(unit_shards)
+        tensors.append(unit_tensors)
+        key.append(tuple(layouts))
+    return shards, tensors, tuple(key)
+
+
+def split(unit_tensors: list[Tensor], layouts: tuple) -> tuple[list, list[Tensor], list]:
+    """``prepare``'s extension tensors of one unit, in the trace: per extension parameter its local shard and
+    its rebuilt metadata, and the all-gather inputs of all of them (the op's ``payloads``)."""
+    selves, payloads, metadatas, i = [], [], [], 0
+    for layout in layouts:
+        if layout is None:
+            continue
+        selves.append(unit_tensors[i])
+        payloads += unit_tensors[i + 1 : i + 1 + layout.n_inputs]
+        i += 1 + layout.n_inputs
+        leaves = []
+        for is_tensor, value in layout.constants:
+            if is_tensor:
+                leaves.append(unit_tensors[i])
+                i += 1
+            else:
+                leaves.append(value)
+        metadatas.append(pytree.tree_unflatten(leaves, layout.metadata))
+    return selves, payloads, metadatas
+
+
+def post_all_gather(local: Tensor, outputs: list[Tensor], metadata, handle: Tensor, param_dtype: torch.dtype,
+                    orig_size: tuple[int, ...], fqn: str) -> Tensor:
+    """In the trace: ``fsdp_post_all_gather`` under ``no_grad`` (FSDP2 builds its unsharded parameter so),
+    trimmed to the parameter's size as FSDP2's ``init_unsharded_param`` does, with its gradient going to
+    ``handle``."""
+    with torch.no_grad():
+        full, _ = local.fsdp_post_all_gather(tuple(outputs), metadata, param_dtype)
+        if tuple(full.shape) != tuple(orig_size):  # uneven shards: FSDP2's as_strided drops the padding rows
+            full = torch.as_strided(full, orig_size, _contiguous(orig_size), 0)
+    if full.dtype != handle.dtype or tuple(full.shape) != tuple(handle.shape):
+        raise NotImplementedError(
+            f"parameter {fqn!r}: fsdp_post_all_gather returned {full.dtype} {tuple(full.shape)}, expected "
+            f"{handle.dtype} {tuple(handle.shape)} (the parameter's shape in param_dtype)")
+    return Attach.apply(full, handle)
+
+
+def _contiguous(size: tuple[int, ...]) -> tuple[int, ...]:
+    out, acc = [], 1
+    for d in reversed(size):
+        out.append(acc)
+        acc *= max(d, 1)
+    return tuple(reversed(out))

@@ -1,0 +1,101 @@
+"""All-gather extensions on the fake process group: what is planned, captured and refused (issue 21).
+The numerics against eager FSDP2 are in ``test_extensions_multirank.py``."""
+
+import pytest
+import torch
+
+import fsdp_compile as fc
+from dist_helpers import fake_process_group
+from extensions import Int8Gathered, Int8GatheredOneArg, Opaque, convert_linears
+from models import Llama, LlamaArgs, shard
+
+W = 4
+
+
+def llama(cls=Int8Gathered, **kwargs):
+    torch.manual_seed(0)
+    model = convert_linears(Llama(LlamaArgs(n_layers=2)), cls)
+    return shard(model, list(model.layers), **kwargs)
+
+
+def tokens():
+    return torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("cls", [Int8Gathered, Int8GatheredOneArg])
+def test_plan_counts_the_payload_bytes(cls):
+    with fake_process_group(W):
+        plan = fc.compile(llama(cls)).plan
+        block = plan.group("layers.0")
+        ext = [p for p in block.params if p.extension is not None]
+        assert {p.extension.kind for p in ext} == {cls.__name__} and len(ext) == 7  # wq wk wv wo w1 w2 w3
+        for p in ext:  # int8 data and a float32 maximum per row, from every rank
+            rows, cols = p.full_shape[0] // W, p.full_shape[1]
+            assert p.extension.input_bytes == rows * cols + 4 * rows
+            assert p.extension.one_arg == (cls is Int8GatheredOneArg)
+        plain = [p for p in block.params if p.extension is None]  # the norms: fp32
+        assert block.unsharded_bytes == W * sum(p.extension.input_bytes for p in ext) + 4 * sum(p.full_shape[0] for p in plain)
+        assert "Int8Gathered" in str(plan.fingerprint())
+
+
+def test_explain_gathers_bytes():
+    """The captured all-gathers move uint8 (int8 data, float32 maxima and fp32 norms packed as bytes), and the
+    report's buckets count those bytes."""
+    with fake_process_group(W):
+        model = llama()
+        config = fc.CompileConfig(backend="aot_eager", bucket="fsdp_group")
+        report, captured = fc._explain.explain_with_graphs(model, (tokens(),), {}, config)
+        dtypes = {
+            n.args[0].meta["val"].dtype for g in captured.forward for n in g.graph.nodes
+            if n.target is torch.ops._c10d_functional.all_gather_into_tensor.default
+        }
+        assert dtypes == {torch.uint8}
+        plan = fc.compile(model).plan
+        assert {b.bytes for b in report.buckets} == {g.unsharded_bytes for g in plan.groups}
+        assert report.graph_breaks == 0
+
+
+def _refused(model, match):
+    with pytest.raises(NotImplementedError, match=match) as info:
+        fc.compile(model)(tokens())
+    assert "\n" not in str(info.value)
+
+
+def test_refused_not_traceable():
+    with fake_process_group(W):
+        _refused(llama(Opaque), r"parameter '(output|layers\.0\.attention\.wq)\.weight'.*Opaque, has no __tensor_flatten__")
+
+
+def test_refused_int_reshard_after_forward():
+    with fake_process_group(W):
+        _refused(llama(reshard_after_forward=2), r"parameter '(output|layers\.0\.attention\.wq)\.weight'.*reshard_after_forward is an int")
+
+
+class _OddMetadata(Int8Gathered):
+    def fsdp_pre_all_gather(self, mesh, orig_size, contiguous_orig_stride, module, mp_policy):
+        inputs, _ = super().fsdp_pre_all_gather(mesh, orig_size, contiguous_orig_stride, module, mp_policy)
+        return inputs, (object(),)
+
+
+def test_refused_metadata_that_is_not_plain():
+    with fake_process_group(W):
+        _refused(llama(_OddMetadata), r"parameter '(output|layers\.0\.attention\.wq)\.weight'.*metadata holds \['object'\]")
+
+
+def test_adapter_reads_what_fsdp2_passes_fsdp_pre_all_gather():
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from fsdp_compile import _fsdp2
+    from fsdp_compile.plan import lazy_init, param_groups
+
+    with fake_process_group(W):
+        model = llama()
+        lazy_init(model)
+        _, _, pg = next(g for g in param_groups(model) if g[0] == "layers.0")
+        params = _fsdp2.layout(pg).params
+        ext = [p for p in params if p.all_gather_extension]
+        assert len(ext) == 7 and all(p.pre_all_gather_args is None for p in params if not p.all_gather_extension)
+        mesh, size, stride, module, mp = ext[0].pre_all_gather_args
+        assert size == tuple(ext[0].sharded_param.shape) and stride == (size[1], 1)
+        assert isinstance(module, torch.nn.Linear) and module.weight is ext[0].sharded_param
+        assert mesh.size() == W and mp == MixedPrecisionPolicy()
