@@ -14,14 +14,15 @@ from collections.abc import Callable
 
 import torch.fx as fx
 
+from fsdp_compile.passes import _program
 from fsdp_compile.passes import predicates as P
 from fsdp_compile.passes.cost_model import CostModel
-from fsdp_compile.passes.memory import peak_memory
+from fsdp_compile.passes.memory import peak_of
 from fsdp_compile.passes.pin_order import pin_collective_order
 from fsdp_compile.passes.placement import place_collectives
 from fsdp_compile.passes.reordering import apply_schedule
 from fsdp_compile.passes.schedule import Schedule
-from fsdp_compile.passes.simulate import simulate
+from fsdp_compile.passes.simulate import Simulation, schedule_of
 
 
 @dataclasses.dataclass
@@ -60,13 +61,11 @@ def run_passes(
     graph = gm.graph
     place_collectives(graph)
     stages = [("captured", snapshot(gm))] if snapshot else []
-    before = simulate(graph, cost_model)
-    peak_before = peak_memory(graph)[0]
+    before, (peak_before, _) = _estimates(graph, cost_model)
     moves = apply_schedule(graph, schedule)
     if snapshot and moves:
         stages.append(("reordered", snapshot(gm)))
-    after = simulate(graph, cost_model)
-    peak_after, peak_node = peak_memory(graph)
+    after, (peak_after, peak_node) = _estimates(graph, cost_model)
     buckets = [
         {
             "kind": P.collective_kind(n),
@@ -88,3 +87,9 @@ def run_passes(
         peak_node=None if peak_node is None else peak_node.name, pinned_edges=pinned, stages=stages,
         collectives=P.collective_counts(graph),
     )
+
+
+def _estimates(graph: fx.Graph, cost_model: CostModel) -> tuple[Simulation, tuple[int, fx.Node | None]]:
+    """``simulate`` and ``peak_memory`` of ``graph`` from one lowering (each alone would lower it again)."""
+    ops = _program.lower(graph, cost_model)
+    return schedule_of(ops, cost_model), peak_of(graph, ops)

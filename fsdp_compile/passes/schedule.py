@@ -258,10 +258,14 @@ def _run_backward(units: Sequence[Unit], c: _Costs, overhead: float) -> dict:
                       "backward_issue_at")
     reduced = [i for i in order if not units[i].tail] + [i for i in order if units[i].tail]
     reduced = [i for i in reduced if units[i].reduce_scatter_bytes]
-    waits_before = {k: [j for j in reduced[:k] if reduced.index(j) + units[j].sink == k] for k in range(len(reduced))}
+    rank = {j: k for k, j in enumerate(reduced)}
+    waits_before: dict[int, list[int]] = {}  # reduce-scatter k waits for these earlier ones first
+    for j in reduced:
+        if units[j].sink:
+            waits_before.setdefault(rank[j] + units[j].sink, []).append(j)
 
     def reduce_scatter(i: int) -> None:
-        for j in waits_before[reduced.index(i)]:
+        for j in waits_before.get(rank[i], []):
             s.wait(("rs", j))
             s.release(units[j].reduce_scatter_bytes)
         s.issue(("rs", i), c.pg[i], c.rs[i], units[i].reduce_scatter_bytes)
