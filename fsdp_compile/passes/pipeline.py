@@ -1,6 +1,9 @@
 """The passes in order on one partitioned forward or backward graph, and the plain-data record of what they did.
 
-    placement -> the schedule's prefetches and sinks (reordering) -> (Inductor only) order pinning
+    placement -> the schedule's prefetches and sinks (reordering)
+
+and, under Inductor only, order pinning (``pin_order.py``), which the backend runs later as Inductor's
+post-grad pass, after Inductor's own rewrites.
 
 The backend runs ``run_passes`` on every forward and backward graph, the same for ``aot_eager`` and
 Inductor. The schedule was planned once, before the first trace, from rank-invariant data; here it is
@@ -18,7 +21,6 @@ from fsdp_compile.passes import _program
 from fsdp_compile.passes import predicates as P
 from fsdp_compile.passes.cost_model import CostModel
 from fsdp_compile.passes.memory import peak_of
-from fsdp_compile.passes.pin_order import pin_collective_order
 from fsdp_compile.passes.placement import place_collectives
 from fsdp_compile.passes.reordering import apply_schedule
 from fsdp_compile.passes.schedule import Schedule
@@ -40,7 +42,6 @@ class PassRecord:
     peak_before: int  # memory.peak_memory: predicted peak of the graph as placed
     peak_after: int
     peak_node: str | None
-    pinned_edges: int  # control dependencies added for Inductor (0 when not pinned)
     stages: list[tuple[str, str]]  # (stage name, readable graph) when a snapshot function was given
     # collectives in the graph as compiled: {"all_gathers", "reduce_scatters", "all_reduces"} -> count
     collectives: dict = dataclasses.field(default_factory=dict)
@@ -54,7 +55,6 @@ def run_passes(
     schedule: Schedule,
     cost_model: CostModel,
     *,
-    pin_order: bool = False,
     snapshot: Callable[[fx.GraphModule], str] | None = None,
 ) -> PassRecord:
     """Every pass on ``gm``, in place; ``snapshot(gm)`` (if given) renders each stage for dumps."""
@@ -77,14 +77,12 @@ def run_passes(
         for n in P.collectives(graph)
         if P.fsdp_meta(n) is not None
     ]
-    # Only reordered graphs need pinning against Inductor's scheduler (see pin_order.py).
-    pinned = pin_collective_order(gm) if pin_order and moves else 0
     gm.recompile()
     return PassRecord(
         kind=kind, index=index, hardware=cost_model.profile.name, buckets=buckets,
         moves=[dataclasses.asdict(m) for m in moves], comm_budget=schedule.comm_budget_bytes,
         before=before.to_dict(), after=after.to_dict(), peak_before=peak_before, peak_after=peak_after,
-        peak_node=None if peak_node is None else peak_node.name, pinned_edges=pinned, stages=stages,
+        peak_node=None if peak_node is None else peak_node.name, stages=stages,
         collectives=P.collective_counts(graph),
     )
 
