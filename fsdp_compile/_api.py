@@ -19,8 +19,7 @@ from fsdp_compile import _fsdp2, capture
 from fsdp_compile._agree import agree_max
 from fsdp_compile.backend import CapturedGraphs, make_backend
 from fsdp_compile.config import CompileConfig
-from fsdp_compile.passes.cost_model import CostModel, resolve_hardware
-from fsdp_compile.passes.schedule import Schedule, modules_of, plan_schedule
+from fsdp_compile.passes import CostModel, Schedule, modules_of, plan_schedule, resolve_hardware
 from fsdp_compile.plan import ShardingPlan, check_ranks_agree, param_groups, read_plan, settings_key
 from fsdp_compile.report import Bucket, Report, collectives_by_mesh_dim, count_collectives, region_summary
 
@@ -201,7 +200,7 @@ class CompiledFSDPModule(nn.Module):
 
     def _plan_and_compile(self, args, kwargs, without_sync: frozenset = frozenset()) -> _Step:
         """On every rank together (the first call, or the first after FSDP2's settings changed): agree on
-        the workload, plan the communication schedule (the same on every rank: ``passes/schedule.py``),
+        the workload, plan the communication schedule (the same on every rank: ``passes/planner.py``),
         then build the compiled step. Later calls, and every recompile (new shapes, eval mode), reuse
         both: no rank ever plans, or talks to the others, on its own."""
         workload = agreed_workload(self.plan, args, kwargs)
