@@ -14,45 +14,51 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from fsdp_compile.passes import _program
 from fsdp_compile.passes.cost_model import CostModel
 from fsdp_compile.passes.schedule import Module, Unit, backward_order
 from fsdp_compile.passes.unit_costs import UnitCosts, unit_costs
 
 
-class _Streams:
-    """The simulator's rules (see ``simulate``): one compute stream, one FIFO stream per process group, and
-    the bytes of gathered parameters and reduce-scatter buffers alive."""
+class _Program:
+    """The unit program written as ``_program.Op``s, so that it is timed by ``_program.run`` and measured by
+    ``_program.timeline``: the one event simulator, which ``simulate`` and ``memory`` run on graphs (one
+    compute stream, one FIFO stream per process group, a collective's launch on the compute stream). Only
+    the gathered parameters and reduce-scatter buffers are allocated, so the peak is ``comm_peak_bytes``."""
 
     def __init__(self, issue_overhead: float):
-        self.t = self.busy = 0.0
-        self.free: dict[str, float] = {}
-        self.end: dict[object, float] = {}
         self.issue_overhead = issue_overhead
-        self.live = self.peak = 0
+        self.ops: list[_program.Op] = [_program.Op("start", "io")]  # holds what is gathered before the step
+        self.pending: set[str] = set()  # collectives issued and not yet waited
+        self.held: set[str] = set()  # buffers allocated and not yet released
 
     def compute(self, seconds: float) -> None:
-        self.t += seconds
-        self.busy += seconds
+        self.ops.append(_program.Op(f"compute_{len(self.ops)}", "compute", cost=seconds))
 
-    def issue(self, key, pg: str, seconds: float, nbytes: int) -> None:
-        self.compute(self.issue_overhead)
-        start = max(self.t, self.free.get(pg, 0.0))
-        self.free[pg] = self.end[key] = start + seconds
-        self.alloc(nbytes)
+    def issue(self, key: str, pg: str, seconds: float, nbytes: int) -> None:
+        """A collective into a new buffer ``key`` (its name too: a wait names it)."""
+        self.ops.append(_program.Op(key, "collective", cost=seconds, allocs=[(key, nbytes)], pg=pg))
+        self.pending.add(key)
+        self.held.add(key)
 
-    def wait(self, key) -> None:
-        self.t = max(self.t, self.end.pop(key, 0.0))
+    def wait(self, key: str) -> None:
+        self.ops.append(_program.Op(f"wait_{key}", "wait", coll=key))
+        self.pending.discard(key)
 
-    def alloc(self, nbytes: int) -> None:
-        self.live += nbytes
-        self.peak = max(self.peak, self.live)
+    def alloc(self, key: str, nbytes: int) -> None:
+        """A buffer held from the start (gathered in forward and kept)."""
+        self.ops[0].allocs.append((key, nbytes))
+        self.held.add(key)
 
-    def release(self, nbytes: int) -> None:
-        self.live -= nbytes
+    def release(self, key: str) -> None:
+        """``key`` is freed after the last op written so far."""
+        self.ops[-1].uses.append(key)
+        self.held.discard(key)
 
     def result(self) -> dict:
-        step = max([self.t, *self.free.values()])
-        return {"step_s": step, "exposed_s": step - self.busy, "comm_peak_bytes": self.peak}
+        self.ops.append(_program.Op("end", "io", uses=sorted(self.held)))  # what is never released lives to the end
+        step, busy, _ = _program.run(self.ops, self.issue_overhead)
+        return {"step_s": step, "exposed_s": step - busy, "comm_peak_bytes": max(_program.timeline(self.ops))}
 
 
 def _anchors(units: Sequence[Unit], order: Sequence[int], attr: str) -> dict[int, list[int]]:
@@ -67,26 +73,26 @@ def _anchors(units: Sequence[Unit], order: Sequence[int], attr: str) -> dict[int
 
 
 def _run_forward(units: Sequence[Unit], c: UnitCosts, overhead: float) -> dict:
-    s = _Streams(overhead)
+    s = _Program(overhead)
     order = list(range(len(units)))
     issues = _anchors(units, order, "issue_at")
     for i in order:
         for j in issues.get(i, []):
-            s.issue(("ag", j), c.pg[j], c.ag[j], units[j].all_gather_bytes)
-        s.wait(("ag", i))
+            s.issue(f"ag{j}", c.pg[j], c.ag[j], units[j].all_gather_bytes)
+        s.wait(f"ag{i}")
         s.compute(c.fwd[i])
         if units[i].regathers and not units[i].tail:
-            s.release(units[i].all_gather_bytes)  # resharded after its forward
+            s.release(f"ag{i}")  # resharded after its forward
     s.compute(c.fwd_tail)
     return s.result()
 
 
 def _run_backward(units: Sequence[Unit], c: UnitCosts, overhead: float) -> dict:
-    s = _Streams(overhead)
+    s = _Program(overhead)
     order = backward_order(units)
-    for u in units:  # kept unsharded since forward
+    for i, u in enumerate(units):  # kept unsharded since forward
         if not u.regathers:
-            s.alloc(u.all_gather_bytes)
+            s.alloc(f"ag{i}", u.all_gather_bytes)
     issues = _anchors([u if u.regathers else dataclasses.replace(u, backward_issue_at=-1) for u in units], order,
                       "backward_issue_at")
     reduced = [i for i in order if not units[i].tail] + [i for i in order if units[i].tail]
@@ -99,12 +105,12 @@ def _run_backward(units: Sequence[Unit], c: UnitCosts, overhead: float) -> dict:
 
     def reduce_scatter(i: int) -> None:
         for j in waits_before.get(rank[i], []):
-            s.wait(("rs", j))
-            s.release(units[j].reduce_scatter_bytes)
-        s.issue(("rs", i), c.pg[i], c.rs[i], units[i].reduce_scatter_bytes)
+            s.wait(f"rs{j}")
+            s.release(f"rs{j}")
+        s.issue(f"rs{i}", c.pg[i], c.rs[i], units[i].reduce_scatter_bytes)
         if units[i].sink == 0:
-            s.wait(("rs", i))
-            s.release(units[i].reduce_scatter_bytes)
+            s.wait(f"rs{i}")
+            s.release(f"rs{i}")
 
     head_done = False
     for k, i in enumerate(order):
@@ -113,26 +119,26 @@ def _run_backward(units: Sequence[Unit], c: UnitCosts, overhead: float) -> dict:
             head_done = True
         for j in issues.get(k, []):
             if units[j].regathers:
-                s.issue(("ag", j), c.pg[j], c.ag[j], units[j].all_gather_bytes)
+                s.issue(f"ag{j}", c.pg[j], c.ag[j], units[j].all_gather_bytes)
         if units[i].regathers:
-            s.wait(("ag", i))
+            s.wait(f"ag{i}")
         if units[i].tail:
             continue
         s.compute(c.bwd[i])
-        s.release(units[i].all_gather_bytes)
+        s.release(f"ag{i}")
         if units[i].reduce_scatter_bytes:
             reduce_scatter(i)
     if not head_done:
         s.compute(c.bwd_head)
     for i in order:
         if units[i].tail:
-            s.release(units[i].all_gather_bytes)
+            s.release(f"ag{i}")
             if units[i].reduce_scatter_bytes:
                 reduce_scatter(i)
     for i in reduced:  # what is still pending is waited at the end
-        if ("rs", i) in s.end:
-            s.wait(("rs", i))
-            s.release(units[i].reduce_scatter_bytes)
+        if f"rs{i}" in s.pending:
+            s.wait(f"rs{i}")
+            s.release(f"rs{i}")
     return s.result()
 
 
