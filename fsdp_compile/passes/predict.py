@@ -1,6 +1,8 @@
-"""The planner's prediction of a schedule: its units run on the program ``unit_costs`` describes, two
-kinds of stream as in ``simulate`` (compute, and communication per process group, first in, first out),
-with the gathered parameters and reduce-scatter buffers alive at each point.
+"""The planner's prediction of a schedule: its units run on the program ``unit_costs`` describes, written
+as ``_program.Op``s and timed by the event simulator ``simulate`` runs on graphs (``_program.run``: compute,
+and communication per process group, first in, first out), with the gathered parameters and
+reduce-scatter buffers alive at each point (``_program.timeline``). The two differ only in what they are
+fed: per-unit estimates here, per-node costs there (``tests/test_passes_predict.py`` measures the gap).
 
 **Memory** (``comm_peak_bytes``): the gathered parameters and reduce-scatter buffers alive at once, the
 part of the peak a schedule controls (activations, sharded state and gradients are the same under every
