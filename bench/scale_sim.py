@@ -8,7 +8,7 @@ For every (model, world size, hardware profile) the forward and backward graphs 
 ``fsdp_compile.compile`` would hand them to Inductor, and four schedules are scored by the same simulator:
   eager-equivalent   bucket="fsdp_group", no reordering (one collective per FSDP module, issued just in time)
   eager FSDP2        the same graphs with eager FSDP2's own schedule applied: the next module prefetched in
-                     backward, one reduce-scatter pending (passes.schedule.eager_fsdp2)
+                     backward, one reduce-scatter pending (passes.planner.eager_fsdp2)
   fc default         fsdp_compile's default schedule (bucket="auto", reorder=True), planned for the
                      agreed tokens per step, applied to its own capture
   torch 2.13 passes  torch._inductor.fx_passes.bucketing.bucket_all_gather / bucket_reduce_scatter with
@@ -46,7 +46,7 @@ import fsdp_compile as fc  # noqa: E402
 from fsdp_compile import passes  # noqa: E402
 from fsdp_compile._dtensor import forget_meshes  # noqa: E402
 from fsdp_compile.debug import explain_graphs  # noqa: E402
-from fsdp_compile.passes.schedule import eager_fsdp2  # noqa: E402
+from fsdp_compile.passes.planner import eager_fsdp2  # noqa: E402
 from fsdp_compile.plan import read_plan  # noqa: E402
 from fsdp_compile.models import SIZES, Llama, llama_blocks, tensor_parallel  # noqa: E402
 

@@ -20,8 +20,8 @@ from fsdp_compile._agree import agree_max
 from fsdp_compile.backend import CapturedGraphs, make_backend
 from fsdp_compile.config import CompileConfig
 from fsdp_compile.debug.dump import make_dump_dir
-from fsdp_compile.passes.cost_model import CostModel, resolve_hardware
-from fsdp_compile.passes.schedule import Schedule, check_bucket_plan, modules_of, plan_schedule
+from fsdp_compile.passes import CostModel, Schedule, modules_of, plan_schedule, resolve_hardware
+from fsdp_compile.passes.planner import check_bucket_plan
 from fsdp_compile.plan import ShardingPlan, check_ranks_agree, param_groups, read_plan, settings_key
 from fsdp_compile.report import region_summary
 
@@ -218,7 +218,7 @@ class CompiledFSDPModule(nn.Module):
 
     def _plan_and_compile(self, args, kwargs, without_sync: frozenset = frozenset()) -> _Step:
         """On every rank together (the first call, or the first after FSDP2's settings changed): agree on
-        the workload, plan the communication schedule (the same on every rank: ``passes/schedule.py``),
+        the workload, plan the communication schedule (the same on every rank: ``passes/planner.py``),
         then build the compiled step. Later calls, and every recompile (new shapes, eval mode), reuse
         both: no rank ever plans, or talks to the others, on its own."""
         workload = agreed_workload(self.plan, args, kwargs)

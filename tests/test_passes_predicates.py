@@ -29,8 +29,8 @@ def test_counts_groups_and_order(world_size):
     assert [P.fsdp_group(n) for n in ag_bw] == GROUPS[:0:-1]  # layers.3 .. layers.0
     assert [P.fsdp_group(n) for n in rs_bw] == GROUPS[::-1]  # layers.3 .. layers.0, root
     for n in ag_fw + ag_bw + rs_bw:
-        assert P.is_collective(n) and P.is_fsdp_collective(n)
-        assert not P.is_all_reduce(n)
+        assert P.is_collective(n) and P.fsdp_meta(n) is not None
+        assert P.collective_kind(n) != "all_reduce"
     assert all(P.is_all_gather(n) and not P.is_reduce_scatter(n) for n in ag_fw + ag_bw)
     assert all(P.is_reduce_scatter(n) and P.collective_kind(n) == "reduce_scatter" for n in rs_bw)
 
@@ -45,7 +45,7 @@ def test_sizes_world_and_group(world_size):
             assert P.process_group_name(n) == group.group_name
             # all-gather: input bytes x W = the group's padded unsharded bytes; reduce-scatter: its input
             assert P.collective_bytes(n) == group.unsharded_bytes
-            assert P.collective_dtype(n) == torch.float32
+            assert n.args[0].meta["val"].dtype == torch.float32
             if P.is_reduce_scatter(n):
                 assert P.reduce_op(n) == group.reduce_op == "avg"
                 assert P.collective_bytes(n) == P.node_bytes(n.args[0])
@@ -65,19 +65,13 @@ def test_wait_pairs_and_copies(world_size):
             c = P.collective_of(w)
             assert c is not None and P.wait_of(c) is w
             assert P.fsdp_group(w) == P.fsdp_group(c)
-            # the collective's input is the copy-in (cat / clone / pack view), its wait's users the copy-out
-            assert P.is_fsdp_copy_in(c.args[0])
-            assert all(P.is_fsdp_copy_out(u) for u in w.users)
-            assert not P.is_fsdp_copy_in(w) and not P.is_fsdp_copy_out(c)
+            # the collective's input is its group's copy-in (cat / clone / pack view), its wait's users the
+            # copy-out: annotated for the same group, and neither a collective nor a wait
+            for x in (c.args[0], *w.users):
+                assert x.op == "call_function" and P.fsdp_group(x) == P.fsdp_group(c) in GROUPS
+                assert not P.is_collective(x) and not P.is_wait(x)
         assert P.collective_of(waits[0].args[0]) is None  # not a wait
         assert P.wait_of(next(iter(g.nodes))) is None
-        for n in g.nodes:  # compute and graph inputs are neither
-            if n.op == "call_function" and P.fsdp_meta(n) is None:
-                assert not P.is_fsdp_copy_in(n) and not P.is_fsdp_copy_out(n)
-            if n.op != "call_function":
-                assert not P.is_fsdp_copy_in(n) and not P.is_fsdp_copy_out(n)
-            if P.is_fsdp_copy_in(n) or P.is_fsdp_copy_out(n):
-                assert P.fsdp_group(n) in GROUPS
 
 
 def test_recomputed_all_gathers_do_not_depend_on_tangents():

@@ -18,7 +18,8 @@ from dist_helpers import fake_process_group
 from fsdp_compile.passes import predicates as P
 from fsdp_compile.passes.cost_model import CostModel
 from fsdp_compile.passes.reordering import apply_schedule
-from fsdp_compile.passes.schedule import modules_of, plan_schedule
+from fsdp_compile.passes.planner import plan_schedule
+from fsdp_compile.passes.schedule import modules_of
 from models import Llama, LlamaArgs, OddMLP, shard
 from passes_helpers import EmulatedRanks, captured, copy_gm, random_inputs, same_outputs
 

@@ -19,7 +19,9 @@ import torch
 
 from dist_helpers import fake_process_group
 from fsdp_compile.passes.cost_model import CostModel
-from fsdp_compile.passes.schedule import Module, eager_fsdp2, modules_of, plan_schedule, predict
+from fsdp_compile.passes.planner import eager_fsdp2, plan_schedule
+from fsdp_compile.passes.predict import predict
+from fsdp_compile.passes.schedule import Module, modules_of
 from fsdp_compile.plan import BucketKey, read_plan
 from models import Llama, LlamaArgs, OddMLP, shard
 from passes_helpers import PROFILE

@@ -27,8 +27,8 @@ KIND_NO = {"dynamo": 0, "forward": 1, "backward": 2}
 
 
 def readable(gm: fx.GraphModule) -> str:
-    """The graph as Python, without strides and devices, and each collective with its FSDP modules."""
-    gm.recompile()
+    """The graph as Python, without strides and devices, and each collective with its FSDP modules.
+    ``print_readable`` generates the code afresh from the graph, so no ``recompile`` (seconds on a 70B graph)."""
     text = gm.print_readable(print_output=False, include_stride=False, include_device=False)
     lines = ["", "# collectives (node -> FSDP groups)"]
     for node in gm.graph.nodes:

@@ -4,7 +4,8 @@ On the joint graph (AOTAutograd's partition function, or Inductor's ``joint_cust
 
 * ``recompute.tag_unshard_recompute(graph, reshard)``: ``reshard_after_forward=True`` groups re-gather in backward (an int: over the post-forward group).
 
-Once per compiled model, before the first trace (``schedule.py``)::
+Once per compiled model, before the first trace (``planner.py``, predicting with ``predict.py`` on the costs
+of ``unit_costs.py``)::
 
     schedule = plan_schedule(modules_of(sharding_plan), policy=config.bucket, reorder=config.reorder,
                              cost_model=cm, workload=agreed_tokens)   # units (buckets), prefetch, sinks
@@ -24,8 +25,8 @@ here imports ``ops``, ``capture``, ``backend``, ``debug`` or ``_api``.
 
 Entry points re-exported here:
 
-* ``plan_schedule``, ``modules_of``, ``Schedule``, ``Unit``, ``Module`` (``schedule.py``); ``apply_schedule``
-  and ``Move`` (``reordering.py``).
+* ``plan_schedule`` (``planner.py``), ``modules_of``, ``Schedule``, ``Unit``, ``Module`` (``schedule.py``);
+  ``apply_schedule`` and ``Move`` (``reordering.py``).
 * ``simulate(graph, cost_model="auto") -> Simulation``: predicted step time, exposed communication, and
   per-collective start / end / hidden / exposed times (``Simulation.to_dict()`` / ``to_json()``).
 * ``peak_memory(graph) -> (bytes, node)`` and ``memory_timeline(graph) -> list[int]``: live bytes under the
@@ -53,7 +54,8 @@ from fsdp_compile.passes.pipeline import PassRecord, run_passes
 from fsdp_compile.passes.placement import place_collectives
 from fsdp_compile.passes.recompute import tag_unshard_recompute
 from fsdp_compile.passes.reordering import Move, apply_schedule
-from fsdp_compile.passes.schedule import Module, Schedule, Unit, modules_of, plan_schedule
+from fsdp_compile.passes.planner import plan_schedule
+from fsdp_compile.passes.schedule import Module, Schedule, Unit, modules_of
 from fsdp_compile.passes.simulate import CollectiveTiming, Simulation, simulate
 
 __all__ = [

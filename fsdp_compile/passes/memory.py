@@ -35,7 +35,12 @@ def peak_memory(graph: fx.Graph | fx.GraphModule) -> tuple[int, fx.Node | None]:
     """``(peak live bytes, the first node at which it is reached)`` (``(0, None)`` for an empty graph)."""
     if isinstance(graph, fx.GraphModule):
         graph = graph.graph
-    timeline = memory_timeline(graph)
+    return peak_of(graph, _program.lower(graph))
+
+
+def peak_of(graph: fx.Graph, ops: list[_program.Op]) -> tuple[int, fx.Node | None]:
+    """``peak_memory`` of ``graph`` from its lowering ``ops``: a caller that also simulates lowers it once."""
+    timeline = _program.timeline(ops)
     if not timeline:
         return 0, None
     peak = max(timeline)

@@ -1,6 +1,9 @@
 """The passes in order on one partitioned forward or backward graph, and the plain-data record of what they did.
 
-    placement -> the schedule's prefetches and sinks (reordering) -> (Inductor only) order pinning
+    placement -> the schedule's prefetches and sinks (reordering)
+
+and, under Inductor only, order pinning (``pin_order.py``), which the backend runs later as Inductor's
+post-grad pass, after Inductor's own rewrites.
 
 The backend runs ``run_passes`` on every forward and backward graph, the same for ``aot_eager`` and
 Inductor. The schedule was planned once, before the first trace, from rank-invariant data; here it is
@@ -14,14 +17,14 @@ from collections.abc import Callable
 
 import torch.fx as fx
 
+from fsdp_compile.passes import _program
 from fsdp_compile.passes import predicates as P
 from fsdp_compile.passes.cost_model import CostModel
-from fsdp_compile.passes.memory import peak_memory
-from fsdp_compile.passes.pin_order import pin_collective_order
+from fsdp_compile.passes.memory import peak_of
 from fsdp_compile.passes.placement import place_collectives
 from fsdp_compile.passes.reordering import apply_schedule
 from fsdp_compile.passes.schedule import Schedule
-from fsdp_compile.passes.simulate import simulate
+from fsdp_compile.passes.simulate import Simulation, schedule_of
 
 
 @dataclasses.dataclass
@@ -39,7 +42,6 @@ class PassRecord:
     peak_before: int  # memory.peak_memory: predicted peak of the graph as placed
     peak_after: int
     peak_node: str | None
-    pinned_edges: int  # control dependencies added for Inductor (0 when not pinned)
     stages: list[tuple[str, str]]  # (stage name, readable graph) when a snapshot function was given
     # collectives in the graph as compiled: {"all_gathers", "reduce_scatters", "all_reduces"} -> count
     collectives: dict = dataclasses.field(default_factory=dict)
@@ -53,20 +55,17 @@ def run_passes(
     schedule: Schedule,
     cost_model: CostModel,
     *,
-    pin_order: bool = False,
     snapshot: Callable[[fx.GraphModule], str] | None = None,
 ) -> PassRecord:
     """Every pass on ``gm``, in place; ``snapshot(gm)`` (if given) renders each stage for dumps."""
     graph = gm.graph
     place_collectives(graph)
     stages = [("captured", snapshot(gm))] if snapshot else []
-    before = simulate(graph, cost_model)
-    peak_before = peak_memory(graph)[0]
+    before, (peak_before, _) = _estimates(graph, cost_model)
     moves = apply_schedule(graph, schedule)
     if snapshot and moves:
         stages.append(("reordered", snapshot(gm)))
-    after = simulate(graph, cost_model)
-    peak_after, peak_node = peak_memory(graph)
+    after, (peak_after, peak_node) = _estimates(graph, cost_model)
     buckets = [
         {
             "kind": P.collective_kind(n),
@@ -78,13 +77,17 @@ def run_passes(
         for n in P.collectives(graph)
         if P.fsdp_meta(n) is not None
     ]
-    # Only reordered graphs need pinning against Inductor's scheduler (see pin_order.py).
-    pinned = pin_collective_order(gm) if pin_order and moves else 0
     gm.recompile()
     return PassRecord(
         kind=kind, index=index, hardware=cost_model.profile.name, buckets=buckets,
         moves=[dataclasses.asdict(m) for m in moves], comm_budget=schedule.comm_budget_bytes,
         before=before.to_dict(), after=after.to_dict(), peak_before=peak_before, peak_after=peak_after,
-        peak_node=None if peak_node is None else peak_node.name, pinned_edges=pinned, stages=stages,
+        peak_node=None if peak_node is None else peak_node.name, stages=stages,
         collectives=P.collective_counts(graph),
     )
+
+
+def _estimates(graph: fx.Graph, cost_model: CostModel) -> tuple[Simulation, tuple[int, fx.Node | None]]:
+    """``simulate`` and ``peak_memory`` of ``graph`` from one lowering (each alone would lower it again)."""
+    ops = _program.lower(graph, cost_model)
+    return schedule_of(ops, cost_model), peak_of(graph, ops)

@@ -38,36 +38,35 @@ def drop_unread_unshards(graph: fx.Graph) -> int:
 
 
 def place_collectives(graph: fx.Graph) -> int:
-    """Move the FSDP chains in place (see the module docstring); returns how many nodes moved."""
+    """Move the FSDP chains in place (see the module docstring); returns how many nodes moved.
+
+    Linear in the graph: nodes compare by position (``fx.Node``'s ``<``, kept up to date by every move),
+    so no position map is rebuilt per move."""
     drop_unread_unshards(graph)
     unshard, reduce = chains(graph)
     # read by the graph's output only (saved for backward: an int reshard_after_forward's post-forward shard)
     saved = [n for n in graph.nodes if n in unshard and n.users and all(u.op == "output" for u in n.users)]
+    is_saved = set(saved)
     moved = 0
     for node in reversed(list(graph.nodes)):
-        if node not in unshard or node in saved:
+        if node not in unshard or node in is_saved:
             continue
-        users = [u for u in node.users if u not in saved]
+        users = [u for u in node.users if u not in is_saved]
         if users:
-            first = min(users, key=_position(graph))
+            first = min(users)
             if first.prev is not node:
                 first.prepend(node)
                 moved += 1
     for node in saved:  # taken as soon as it can be, so the buffer it comes from is freed at its last use
-        last = max(node.all_input_nodes, key=_position(graph), default=None)
+        last = max(node.all_input_nodes, default=None)
         if last is not None and last.next is not node:
             last.append(node)
             moved += 1
     for node in list(graph.nodes):
         if node in reduce:
-            last = max(node.all_input_nodes, key=_position(graph), default=None)
+            last = max(node.all_input_nodes, default=None)
             if last is not None and last.next is not node:
                 last.append(node)
                 moved += 1
     graph.lint()
     return moved
-
-
-def _position(graph: fx.Graph):
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    return order.__getitem__

@@ -1,4 +1,4 @@
-"""Node predicates shared by every pass: which FX nodes are collectives, waits, FSDP copy-in/copy-out.
+"""Node predicates shared by every pass: which FX nodes are collectives and waits, what they move.
 
 The graphs our passes see are AOTAutograd's partitioned forward and backward graphs, after
 ``placement.place_collectives``. ``ops.unshard`` decomposes into plain functional collectives::
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Iterable
 
 import torch
 import torch.fx as fx
@@ -74,11 +73,6 @@ def is_all_gather(node: fx.Node) -> bool:
 def is_reduce_scatter(node: fx.Node) -> bool:
     """``_c10d_functional.reduce_scatter_tensor``."""
     return _is_call(node, REDUCE_SCATTER_OPS)
-
-
-def is_all_reduce(node: fx.Node) -> bool:
-    """``_c10d_functional.all_reduce`` (HSDP's replicate-dimension reduction, DDP-style grads)."""
-    return _is_call(node, ALL_REDUCE_OPS)
 
 
 def is_collective(node: fx.Node) -> bool:
@@ -211,13 +205,6 @@ def node_bytes(node) -> int:
     return sum(tensor_bytes(t) for t in val_tensors(node.meta.get("val")))
 
 
-def collective_input(node: fx.Node) -> fx.Node:
-    inp = node.args[0]
-    if not isinstance(inp, fx.Node):
-        raise ValueError(f"{node.name}: expected a single tensor input, got {inp!r}")
-    return inp
-
-
 def collective_bytes(node: fx.Node) -> int:
     """The bytes a collective moves, in the convention of NCCL's bus-bandwidth formulas.
 
@@ -232,60 +219,6 @@ def collective_bytes(node: fx.Node) -> int:
     if kind == "all_gather":
         return in_bytes * world_size(node)
     return in_bytes
-
-
-def collective_dtype(node: fx.Node) -> torch.dtype | None:
-    inputs = node.args[0] if isinstance(node.args[0], (list, tuple)) else [node.args[0]]
-    for a in inputs:
-        ts = val_tensors(a.meta.get("val")) if isinstance(a, fx.Node) else []
-        if ts:
-            return ts[0].dtype
-    return None
-
-
-# --- FSDP annotation ------------------------------------------------------------------------------
-
-
-def is_fsdp_collective(node: fx.Node) -> bool:
-    return is_collective(node) and fsdp_meta(node) is not None
-
-
-def is_fsdp_copy_in(node: fx.Node) -> bool:
-    """An FSDP-annotated node that feeds an FSDP collective through annotated nodes only.
-
-    Covers the all-gather copy-in (cast, pad, concatenate) and the reduce-scatter pack.
-    """
-    return _reaches(node, forward=True)
-
-
-def is_fsdp_copy_out(node: fx.Node) -> bool:
-    """An FSDP-annotated node computed from an FSDP collective's wait through annotated nodes only.
-
-    Covers the all-gather copy-out (rank-major view, slices, clones) and the reduce-scatter unpack.
-    """
-    return _reaches(node, forward=False)
-
-
-def _reaches(node: fx.Node, forward: bool) -> bool:
-    if node.op != "call_function" or fsdp_meta(node) is None or is_collective(node) or is_wait(node):
-        return False
-    groups = set(fsdp_groups(node))
-    seen, stack = {node}, [node]
-    while stack:
-        n = stack.pop()
-        nxt: Iterable[fx.Node] = n.users if forward else n.all_input_nodes
-        for m in nxt:
-            if m in seen or m.op != "call_function" or not groups & set(fsdp_groups(m)):
-                continue
-            if forward and is_collective(m):
-                return True
-            if not forward and is_wait(m):
-                return collective_of(m) is not None
-            if (forward and is_wait(m)) or (not forward and is_collective(m)):
-                continue
-            seen.add(m)
-            stack.append(m)
-    return False
 
 
 def collectives(graph: fx.Graph, kind: str | None = None) -> list[fx.Node]:

@@ -43,7 +43,7 @@ def _units(graph: fx.Graph, pred) -> dict[int, fx.Node]:
     return {P.fsdp_unit(n): n for n in graph.nodes if pred(n) and P.fsdp_unit(n) is not None}
 
 
-def _chain(start: fx.Node, step, inside, pos) -> list[fx.Node] | None:
+def _chain(start: fx.Node, step, inside) -> list[fx.Node] | None:
     """``start`` and the nodes reachable through ``step`` while ``inside``, in program order; None if one
     of them may not move (``predicates.is_fixed``)."""
     chain, seen, stack = [], set(), [start]
@@ -56,7 +56,7 @@ def _chain(start: fx.Node, step, inside, pos) -> list[fx.Node] | None:
             return None
         chain.append(n)
         stack.extend(step(n))
-    return sorted(chain, key=pos.__getitem__)
+    return sorted(chain)  # fx.Node's < is program order
 
 
 def _after(chain: list[fx.Node]) -> fx.Node:
@@ -73,7 +73,10 @@ def _move_before(chain: list[fx.Node], anchor: fx.Node) -> None:
 
 
 def apply_schedule(graph: fx.Graph, schedule: Schedule) -> list[Move]:
-    """Move, in place, this graph's collectives to the schedule's points; returns the moves made."""
+    """Move, in place, this graph's collectives to the schedule's points; returns the moves made.
+
+    Nodes compare by program order (``fx.Node``'s ``<``, which every move keeps up to date), so the pass is
+    linear in the graph plus the chains it moves, with no position map rebuilt per unit."""
     moves: list[Move] = []
     units = schedule.units
     gathers = _units(graph, P.is_all_gather)
@@ -100,18 +103,16 @@ def apply_schedule(graph: fx.Graph, schedule: Schedule) -> list[Move]:
         ag = gathers[i]
         if anchor is None:
             continue
-        pos = {n: x for x, n in enumerate(graph.nodes)}
-        if pos[anchor] > pos[ag]:
+        if anchor > ag:
             continue
-        chain = _chain(ag, lambda n: n.all_input_nodes, lambda n: pos[n] > pos[anchor], pos)
+        chain = _chain(ag, lambda n: n.all_input_nodes, lambda n: n > anchor)
         if chain:
             was = _after(chain)
             _move_before(chain, anchor)
             moves.append(Move("prefetch", i, ag.name, anchor.name, was.name))
 
     scatters = _units(graph, P.is_reduce_scatter)
-    pos = {n: x for x, n in enumerate(graph.nodes)}
-    seq = sorted(scatters, key=lambda u: pos[scatters[u]])
+    seq = sorted(scatters, key=scatters.__getitem__)
     output = graph.output_node()
     for k, c in enumerate(seq):
         sink = units[c].sink
@@ -119,10 +120,9 @@ def apply_schedule(graph: fx.Graph, schedule: Schedule) -> list[Move]:
         if sink <= 0 or wait is None:
             continue
         target = scatters[seq[k + sink]] if k + sink < len(seq) else output
-        pos = {n: x for x, n in enumerate(graph.nodes)}
-        if pos[target] < pos[wait]:
+        if target < wait:
             continue
-        chain = _chain(wait, lambda n: n.users, lambda n: pos[n] < pos[target], pos)
+        chain = _chain(wait, lambda n: n.users, lambda n: n < target)
         if chain:
             was = _after(chain)
             _move_before(chain, target)

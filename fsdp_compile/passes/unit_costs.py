@@ -1,0 +1,59 @@
+"""Per-unit costs for the planner: seconds of all-gather, reduce-scatter and compute per schedule unit,
+from the rank-invariant ``Module`` numbers alone (the planner runs before any graph exists).
+
+**The model the plan is made on** (``predict``): the forward runs the units in order, each module's compute after its
+unit's all-gather, except modules that hold other FSDP modules (the root), whose own compute (an output
+head, say) comes last; the backward runs it in reverse, the head first. Compute is estimated from each
+module's matrix-product weights (2 FLOPs per weight element per token forward, 4 backward) at the
+profile's matmul rate, plus the profile's per-op overhead for a few ops per parameter; communication by
+the profile's alpha-beta model on the exact bytes. Attention's token-squared work and memory-bound ops
+are not counted: the plan needs the ratio of compute to communication per module about right, no more.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from fsdp_compile.passes.cost_model import CostModel
+from fsdp_compile.passes.schedule import Module, Unit
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitCosts:
+    ag: tuple[float, ...]  # per unit: all-gather seconds
+    rs: tuple[float, ...]  # per unit: reduce-scatter seconds (0: none)
+    fwd: tuple[float, ...]  # per unit: forward compute right after its all-gather
+    fwd_tail: float  # forward compute at the end (modules holding other modules)
+    bwd: tuple[float, ...]  # per unit: backward compute
+    bwd_head: float  # backward compute at the start (the tail's)
+    pg: tuple[str, ...]
+
+
+def unit_costs(units: Sequence[Unit], modules: dict[str, Module], cm: CostModel, workload: int) -> UnitCosts:
+    """``units``' costs at ``workload`` tokens per step (see the module docstring)."""
+    p = cm.profile
+    ag, rs, fwd, bwd, pg = [], [], [], [], []
+    tail = head = 0.0
+    for u in units:
+        ms = [modules[f] for f in u.members]
+        ws = ms[0].world_size
+        ag.append(cm.collective_time("all_gather", u.all_gather_bytes, ws))
+        rs.append(cm.collective_time("reduce_scatter", u.reduce_scatter_bytes, ws) if u.reduce_scatter_bytes else 0.0)
+        if u.reduce_scatter_bytes and ms[0].replicate_size > 1:  # HSDP: then the reduced shard across replicas
+            rs[-1] += cm.collective_time("all_reduce", u.reduce_scatter_bytes // ws, ms[0].replicate_size)
+        own_f = own_b = 0.0
+        for m in ms:
+            idx = range(len(m.params)) if u.param is None else [m.params.index(u.param)]
+            flops = workload * sum(m.flops_per_token[i] for i in idx)  # forward; backward: twice (dX and dW)
+            rate = p.matmul_flops_lowp if m.lowp else p.matmul_flops_fp32
+            f = flops / rate + 4 * len(idx) * p.op_overhead
+            b = 2 * flops / rate + 8 * len(idx) * p.op_overhead
+            if m.holds_children:
+                tail, head = tail + f, head + b
+            else:
+                own_f, own_b = own_f + f, own_b + b
+        fwd.append(own_f)
+        bwd.append(own_b)
+        pg.append(ms[0].process_group)
+    return UnitCosts(tuple(ag), tuple(rs), tuple(fwd), tail, tuple(bwd), head, tuple(pg))
