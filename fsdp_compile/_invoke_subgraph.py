@@ -1,5 +1,4 @@
-"""Two additions to torch 2.13's ``invoke_subgraph``: a Conjugate kernel, which it lacks, and one schema per
-region and operand layout instead of one per call.
+"""A Conjugate kernel for ``invoke_subgraph``, which torch 2.13 lacks.
 
 A region whose forward saves a complex tensor for its backward (complex RoPE: ``view_as_complex(q) *
 freqs_cis``, whose backward multiplies by ``freqs_cis.conj()``) can hand the backward region a tensor with
@@ -12,17 +11,9 @@ The kernel below does what the fallback does for an ATen op: materialize the con
 The values are the ones eager computes with (an ATen op resolves the bit the same way before its
 kernel runs), so the compiled step stays bitwise equal to eager FSDP2 (``tests/test_regions.py``).
 It only adds a kernel where torch has none; a torch that brings its own keeps it.
-
-**Schemas.** Under autograd, every call of a higher-order operator first asks for its schema, to refuse
-training through an input mutation; ``invoke_subgraph``'s ``gen_schema`` re-traces the whole region to
-answer. A region is one subgraph called once per block, so a Llama-3 70B step re-traced its block 160
-times (about a third of its ``explain``). The schema is a function of the subgraph and its operands'
-metadata alone, so it is kept per subgraph (weakly: it goes with the graph) and operand layout.
 """
 
 from __future__ import annotations
-
-import weakref
 
 import torch
 from torch._C import DispatchKey
@@ -39,37 +30,3 @@ def register() -> None:
     """Idempotent."""
     if DispatchKey.Conjugate not in invoke_subgraph.py_kernels:
         invoke_subgraph.py_impl(DispatchKey.Conjugate)(_resolve_conj)
-    cls = type(invoke_subgraph)
-    if "gen_schema" in vars(cls) and not getattr(cls.gen_schema, "_fsdp_compile", False):
-        cls.gen_schema = _schema_per_layout(cls.gen_schema)
-
-
-def _schema_per_layout(gen_schema):
-    schemas: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # subgraph -> {(identifier, layout): schema}
-
-    def cached(self, subgraph, identifier, *operands):
-        layout = _layout(operands)
-        if not isinstance(subgraph, torch.fx.GraphModule) or identifier is None or layout is None:
-            return gen_schema(self, subgraph, identifier, *operands)
-        per_graph = schemas.setdefault(subgraph, {})
-        key = (identifier, layout)
-        if key not in per_graph:
-            per_graph[key] = gen_schema(self, subgraph, identifier, *operands)
-        return per_graph[key]
-
-    cached._fsdp_compile = True
-    return cached
-
-
-def _layout(operands) -> tuple | None:
-    """What a schema can depend on of the operands; None (not cached) for anything but tensors and ints."""
-    out = []
-    for o in operands:
-        if isinstance(o, torch.Tensor):
-            out.append((type(o), o.shape, o.stride(), o.storage_offset(), o.dtype, o.device, o.requires_grad,
-                        o.is_conj(), o.is_neg()))
-        elif type(o) is int or o is None:
-            out.append(o)
-        else:
-            return None
-    return tuple(out)
