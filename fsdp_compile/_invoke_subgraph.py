@@ -1,4 +1,5 @@
-"""A Conjugate kernel for ``invoke_subgraph``, which torch 2.13 lacks.
+"""Two additions to torch 2.13's ``invoke_subgraph``: a Conjugate kernel, which it lacks, and, while our
+compiled step runs, one schema per region and operand layout instead of one per call.
 
 A region whose forward saves a complex tensor for its backward (complex RoPE: ``view_as_complex(q) *
 freqs_cis``, whose backward multiplies by ``freqs_cis.conj()``) can hand the backward region a tensor with
@@ -11,9 +12,20 @@ The kernel below does what the fallback does for an ATen op: materialize the con
 The values are the ones eager computes with (an ATen op resolves the bit the same way before its
 kernel runs), so the compiled step stays bitwise equal to eager FSDP2 (``tests/test_regions.py``).
 It only adds a kernel where torch has none; a torch that brings its own keeps it.
+
+**Schemas.** Under autograd, every call of a higher-order operator first asks for its schema, to refuse
+training through an input mutation; ``invoke_subgraph``'s ``gen_schema`` re-traces the whole region to
+answer. A region is one subgraph called once per block, so tracing a Llama-3 70B step re-traced its block
+160 times (about a third of its ``explain``). The schema is a function of the subgraph and its operands'
+metadata alone, so ``schemas_cached`` keeps it per subgraph (weakly: it goes with the graph) and operand
+layout, for the duration of our compiled call only (``capture.active``): torch's class is as it was
+outside it. Operands with symbolic sizes are not cached.
 """
 
 from __future__ import annotations
+
+import contextlib
+import weakref
 
 import torch
 from torch._C import DispatchKey
@@ -30,3 +42,50 @@ def register() -> None:
     """Idempotent."""
     if DispatchKey.Conjugate not in invoke_subgraph.py_kernels:
         invoke_subgraph.py_impl(DispatchKey.Conjugate)(_resolve_conj)
+
+
+_SCHEMAS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # subgraph -> {(identifier, layout): schema}
+
+
+@contextlib.contextmanager
+def schemas_cached():
+    """Within the block, ``invoke_subgraph``'s schema is computed once per subgraph and operand layout."""
+    cls = type(invoke_subgraph)
+    original = vars(cls).get("gen_schema")
+    if original is None or getattr(original, "fsdp_compile_cached", False):  # a torch without it, or nested
+        yield
+        return
+
+    def gen_schema(self, subgraph, identifier, *operands):
+        layout = _layout(operands)
+        if not isinstance(subgraph, torch.fx.GraphModule) or identifier is None or layout is None:
+            return original(self, subgraph, identifier, *operands)
+        per_graph = _SCHEMAS.setdefault(subgraph, {})
+        key = (identifier, layout)
+        if key not in per_graph:
+            per_graph[key] = original(self, subgraph, identifier, *operands)
+        return per_graph[key]
+
+    gen_schema.fsdp_compile_cached = True
+    cls.gen_schema = gen_schema
+    try:
+        yield
+    finally:
+        cls.gen_schema = original
+
+
+def _layout(operands) -> tuple | None:
+    """What a schema can depend on of the operands; None (not cached) for anything but tensors of concrete
+    sizes, ints and None."""
+    out = []
+    for o in operands:
+        if isinstance(o, torch.Tensor):
+            if any(isinstance(d, torch.SymInt) for d in (*o.shape, *o.stride(), o.storage_offset())):
+                return None
+            out.append((type(o), tuple(o.shape), o.stride(), o.storage_offset(), o.dtype, o.device, o.requires_grad,
+                        o.is_conj(), o.is_neg()))
+        elif type(o) is int or o is None:
+            out.append(o)
+        else:
+            return None
+    return tuple(out)

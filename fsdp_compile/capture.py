@@ -52,12 +52,15 @@ class _Active:
     def __enter__(self):
         self._prev = (STEP.active, STEP.regions)
         STEP.active, STEP.regions = True, self.regions
+        self._schemas = _invoke_subgraph.schemas_cached()
+        self._schemas.__enter__()
         self._saved = [(module, module.logger) for module, _ in self.loggers]
         for module, proxy in self.loggers:
             module.logger = proxy
 
     def __exit__(self, *exc):
         STEP.active, STEP.regions = self._prev
+        self._schemas.__exit__(*exc)
         for module, logger in reversed(self._saved):
             module.logger = logger
 

@@ -41,12 +41,25 @@ def test_a_block_is_traced_once(monkeypatch):
 
     monkeypatch.setattr(IS.InvokeSubgraphHigherOrderVariable, "create_wrapped_node", counted_trace)
     monkeypatch.setattr(IS, "stamp_out_subgraph", counted_stamp)
+    # the subgraph's schema (torch re-traces the subgraph for it) is computed once, during our call only
+    from torch._higher_order_ops.invoke_subgraph import invoke_subgraph
+
+    hop = type(invoke_subgraph)
+    schema = hop.gen_schema
+
+    def counted_schema(self, *a, **k):
+        counts["schemas"] = counts.get("schemas", 0) + 1
+        return schema(self, *a, **k)
+
+    monkeypatch.setattr(hop, "gen_schema", counted_schema)
     with fake_process_group(2):
         torch.manual_seed(0)
         m = Llama(LlamaArgs(n_layers=4))
         compiled = fc.compile(shard(m, m.layers), backend="aot_eager", bucket="fsdp_group")
         compiled(torch.randint(0, 256, (2, 16))).sum().backward()
-    assert counts == {"traces": 1, "stamp_outs": 3}
+    # one schema each for the region, its forward part and its backward part (10 without the cache)
+    assert counts == {"traces": 1, "stamp_outs": 3, "schemas": 3}
+    assert hop.gen_schema is counted_schema  # torch's class as it was
     assert not any(b.forward.fsdp_compile_passes_block for b in m.layers)  # equal attributes: one template
     assert _region_calls(compiled.captured.dynamo[0]) == ["subgraph_0"] * 4
     assert count_collectives(compiled.captured.dynamo) == {"all_gathers": 0, "reduce_scatters": 0, "all_reduces": 0}
