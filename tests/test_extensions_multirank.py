@@ -17,7 +17,7 @@ from dist_helpers import run_ranks
 
 pytestmark = pytest.mark.multirank
 
-CASES = [("fp32", True), ("fp32", False), ("bf16", True)]
+CASES = [("fp32", True), ("bf16", False)]  # reshard False in fp32 too: test_float8_multirank
 STEPS = 3
 
 

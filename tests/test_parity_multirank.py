@@ -23,7 +23,7 @@ CASES_2 = [
     Case(model="frozen"),  # frozen parameters, buffers
     Case(mp="bf16_reduce_bf16"),
     Case(model="odd", mp="fp16"),  # uneven dim-0 shards, unwrapped modules, a root with parameters; fp16 reduce: FSDP2's pre/post divide
-    Case(accum=2),
+    Case(accum=2, mp="bf16"),  # accumulation with sync in bf16 (without sync: test_options_multirank)
     # the passes only merge and move collectives and copies: numerics stay bitwise
     Case(bucket="none"),
     Case(bucket=(("layers.0", "layers.1"),), reorder=True),
@@ -39,7 +39,6 @@ CASES_2 = [
     Case(ignored=True),  # fully_shard(root, ignored_params={norm.weight}): a plain parameter, local gradient
 ]
 CASES_4 = [
-    Case(n_layers=3),
     Case(model="odd"),
     Case(model="llama_tied", mp="bf16"),  # the tied embedding and output weight: one parameter, one gradient
     # HSDP on a 2x2 mesh: reduce-scatter over the shard dimension, all-reduce over the replicas

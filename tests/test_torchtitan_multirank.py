@@ -29,7 +29,6 @@ BITWISE = [
     LLAMA,  # regions on (the default): both blocks one region, complex RoPE inside
     TitanCase(model="llama3", regions=False),
     DEEPSEEK,  # regions on: the MoE blocks update their token counters in place, so they are compiled inline
-    TitanCase(model="deepseek_v3", n_layers=3, regions=False),
     TitanCase(model="llama3", ac="selective"),  # torchtitan's SelectiveAC, its debug config's choice
     TitanCase(model="llama3", loss="chunked"),  # ChunkedLossWrapper, its debug config's loss: lm_head run by the loss
 ]

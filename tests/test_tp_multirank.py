@@ -14,8 +14,7 @@ pytestmark = pytest.mark.multirank
 
 CASES = [
     TPCase(model="mlp", dcp=True),  # ColwiseParallel -> RowwiseParallel; _StridedShard; DCP round trip
-    TPCase(model="llama", reshard=False),  # torchtitan's plan: sequence parallel, loss_parallel
-    TPCase(model="llama", mp="bf16"),
+    TPCase(model="llama", reshard=False, mp="bf16"),  # torchtitan's plan: sequence parallel, loss_parallel
     TPCase(model="llama", ac=True, ragged=True, planned=True),  # checkpoint_wrapper; batch shapes per dp rank; auto buckets
     TPCase(model="mlp", replicate=2),  # HSDP + TP: (replicate 2, shard 1, tp 2)
     TPCase(model="moe", ragged=True),  # expert parallelism: all-to-all dispatch of data-dependent sizes
