@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 2 bench/compiled_vs_eager.py [--model small|tiny|hf-llama] [--steps 20] [--quick]
     torchrun --nproc-per-node 4 bench/compiled_vs_eager.py --tp 2 [--quick]     # FSDP over dp x TP over tp
+    torchrun --nproc-per-node 2 bench/compiled_vs_eager.py --float8 [--quick]   # torchao float8 all-gather
 
 Models: ``small``/``tiny`` (fsdp_compile.models.Llama), ``hf-llama`` (transformers' LlamaForCausalLM: hidden 256,
 intermediate 688, 8 heads, vocab 4096, 4 layers, sdpa; batch 4 x 128 unless set).
@@ -14,6 +15,11 @@ Variants (each its own model from the same seed, AdamW, the same batches):
   fc                fsdp_compile.compile(model): the default (bucket="auto", reorder=True, regions)
   fc:fsdp_group     one collective per FSDP module, where eager FSDP2 issues them (reorder=False)
   fc:no-regions     the default without regions (every block compiled on its own)
+With --float8: every Linear but the output is torchao's Float8Linear (emulated matmuls off sm_89+ GPUs, so on
+a CPU the compute is not float8's), the variants are eager, eager:float8-ag, fc, fc:float8-ag and compute-only,
+where ":float8-ag" sets enable_fsdp_float8_all_gather=True and precomputes the scales after each optimizer
+step (precompute_float8_dynamic_scale_for_fsdp, as torchtitan does); the others gather the weights in their
+dtype and cast them in each Float8Linear.
 With --tp N (Llama models): torchtitan's TP plan (fsdp_compile.models.tensor_parallel: sequence parallel,
 column/row-parallel projections) on the tp dim of a (world/N, N) mesh, fully_shard over dp; the ranks of
 one TP group share their batch.
@@ -21,7 +27,7 @@ Per variant: first-step time (includes the compile, from a cold Inductor cache u
 median and p10/p90 step time over timed steps run in interleaved windows (drift hits every variant
 alike), the cost model's predicted step time next to it (cpu-gloo on CPU; for eager: the same graphs
 with collectives where eager issues them), collectives per step (Python c10d calls, i.e. eager hooks,
-and collectives inside compiled graphs), peak step memory (tensor bytes allocated by one step above
+and collectives inside compiled graphs) and the bytes they move, peak step memory (tensor bytes allocated by one step above
 those live before it), final loss versus eager.
 Writes bench/results/compiled_vs_eager_<model>.json and .png. Gloo on CPU; NCCL when CUDA is present.
 """
@@ -49,7 +55,7 @@ import fsdp_compile as fc  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "tests"))
 from eager_calls import count_eager_collectives  # noqa: E402  (the tests' instrumentation)
 from fsdp_compile.models import SIZES, Llama, llama_blocks, tensor_parallel  # noqa: E402
-from fsdp_compile.report import count_collectives  # noqa: E402
+from fsdp_compile.report import collective_bytes, count_collectives  # noqa: E402
 
 HF_VOCAB = 4096
 
@@ -57,7 +63,18 @@ HF_VOCAB = 4096
 _MESH = None  # the (dp, tp) mesh of --tp, built once
 
 
-def build(model_name: str, device: torch.device, sharded: bool = True, tp: int = 1):
+def float8(model: torch.nn.Module, model_name: str, device: torch.device, all_gather: bool) -> None:
+    """torchao's float8 training on every Linear but the output projection (as torchtitan converts)."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    emulate = device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9)
+    config = Float8LinearConfig(enable_fsdp_float8_all_gather=all_gather, emulate=emulate)
+    output = "lm_head" if model_name == "hf-llama" else "output"
+    convert_to_float8_training(model, config=config, module_filter_fn=lambda _, fqn: fqn != output)
+
+
+def build(model_name: str, device: torch.device, sharded: bool = True, tp: int = 1, float8_ag: bool | None = None):
+    """``float8_ag``: None, no float8; else torchao's float8 Linears, with the float8 all-gather or not."""
     torch.manual_seed(0)
     with torch.device(device):
         if model_name == "hf-llama":
@@ -71,6 +88,8 @@ def build(model_name: str, device: torch.device, sharded: bool = True, tp: int =
         else:
             model = Llama(SIZES[model_name])
             blocks = llama_blocks(model)
+    if float8_ag is not None:
+        float8(model, model_name, device, float8_ag)
     mesh = {}
     if tp > 1:
         global _MESH
@@ -92,10 +111,12 @@ def logits_of(model_name: str, out):
 
 
 class Variant:
-    def __init__(self, name: str, model_name: str, device: torch.device, make, sharded: bool = True, tp: int = 1):
+    def __init__(self, name: str, model_name: str, device: torch.device, make, sharded: bool = True, tp: int = 1,
+                 float8_ag: bool | None = None):
         self.name = name
         self.model_name = model_name
-        self.model = build(model_name, device, sharded, tp)
+        self.model = build(model_name, device, sharded, tp, float8_ag)
+        self.precompute = bool(float8_ag)
         self.runner = make(self.model)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=3e-3)
         self.times: list[float] = []
@@ -103,6 +124,7 @@ class Variant:
         self.peak_bytes = 0
         self.loss = None
         self.eager_calls = None
+        self.eager_bytes = None
 
     def step(self, tokens: torch.Tensor) -> float:
         dist.barrier()
@@ -112,6 +134,10 @@ class Variant:
         loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
+        if self.precompute:
+            from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+            precompute_float8_dynamic_scale_for_fsdp(self.model)
         if tokens.is_cuda:
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
@@ -134,7 +160,8 @@ class Variant:
         if captured is None:
             return None
         fw, bw = count_collectives(captured.forward[:1]), count_collectives(captured.backward[:1])
-        return {k: fw[k] + bw[k] for k in fw}
+        nbytes = collective_bytes(captured.forward[:1] + captured.backward[:1])
+        return {k: fw[k] + bw[k] for k in fw} | {"bytes": sum(nbytes.values())}
 
 
 def batch(step: int, rank: int, vocab: int, device, batch_size: int, seq: int):
@@ -156,8 +183,11 @@ def main():
     ap.add_argument("--variants", nargs="*", help="variants to run besides eager (default: all)")
     ap.add_argument("--warm-cache", action="store_true", help="reuse Inductor's on-disk caches (default: a fresh, cold cache)")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (Llama models): FSDP over world/tp ranks")
+    ap.add_argument("--float8", action="store_true", help="torchao float8 Linears, with and without the float8 all-gather")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
+    if args.float8 and args.tp > 1:
+        ap.error("--float8 with --tp: fsdp_compile refuses all-gather extensions on TP parameters")
     if args.tp > 1 and args.model == "hf-llama":
         ap.error("--tp uses fsdp_compile.models' Llama TP plan: --model tiny|small")
     if "RANK" not in os.environ:
@@ -174,13 +204,19 @@ def main():
         "torch.compile": lambda m: torch.compile(m, backend=args.backend),
         "compute-only": lambda m: torch.compile(m, backend=args.backend),
     }
-    makers = {k: f for k, f in makers.items() if k == "eager" or not args.variants or k in args.variants}
-    skipped: dict[str, str] = {}
-    for name, overrides in {
+    fc_variants = {
         "fc": dict(),
         "fc:fsdp_group": dict(bucket="fsdp_group", reorder=False),
         "fc:no-regions": dict(regions=False),
-    }.items():
+    }
+    float8_ag = {}  # per variant with --float8: whether its float8 weights are all-gathered as float8
+    if args.float8:
+        makers = {"eager": makers["eager"], "eager:float8-ag": makers["eager"], "compute-only": makers["compute-only"]}
+        fc_variants = {"fc": dict(), "fc:float8-ag": dict()}
+        float8_ag = {name: name.endswith(":float8-ag") for name in [*makers, *fc_variants]}
+    makers = {k: f for k, f in makers.items() if k == "eager" or not args.variants or k in args.variants}
+    skipped: dict[str, str] = {}
+    for name, overrides in fc_variants.items():
         if args.variants and name not in args.variants:
             continue
         makers[name] = lambda m, o=overrides: fc.compile(m, backend=args.backend, **o)
@@ -191,10 +227,11 @@ def main():
         makers.pop("torch.compile")
         skipped["torch.compile"] = ("fails to compile FSDP2 + TP in torch 2.13 (BackendCompilerFailed); run it alone "
                                     "with --variants torch.compile")
-    variants = [Variant(name, args.model, device, make, sharded=name != "compute-only", tp=args.tp)
-                for name, make in makers.items()]
+    variants = [Variant(name, args.model, device, make, sharded=name != "compute-only", tp=args.tp,
+                        float8_ag=float8_ag.get(name)) for name, make in makers.items()]
     say(f"compiled_vs_eager: '{args.model}', {world} ranks ({dist.get_backend()}), backend={args.backend}, "
-        f"batch {args.batch} x {args.seq}" + (f", FSDP {world // args.tp} x TP {args.tp}" if args.tp > 1 else ""))
+        f"batch {args.batch} x {args.seq}" + (f", FSDP {world // args.tp} x TP {args.tp}" if args.tp > 1 else "")
+        + (", torchao float8 Linears" if args.float8 else ""))
     for name, why in skipped.items():
         say(f"  skipped {name}: {why}")
 
@@ -229,6 +266,7 @@ def main():
         with count_eager_collectives() as calls:
             run(v, 1, timed=False)
         v.eager_calls = len(calls)
+        v.eager_bytes = sum(calls.bytes)
         progress.step(f"{v.name}: warm-up")
     for w in range(windows):
         for v in variants:
@@ -257,18 +295,21 @@ def main():
             "eager_c10d_calls_per_step": v.eager_calls,
             "all_gathers": graph["all_gathers"] if graph else None,
             "reduce_scatters": graph["reduce_scatters"] if graph else None,
+            # FSDP's collectives, full buffers: torch.distributed calls (eager hooks) plus in-graph collectives
+            "collective_bytes_per_step": v.eager_bytes + (graph["bytes"] if graph else 0),
             "peak_bytes": v.peak_bytes,
             "final_loss": v.loss,
             "final_loss_delta_vs_eager": abs(v.loss - eager.loss),
         }
 
-    say("\n| variant | median ms | p10-p90 ms | vs eager | predicted ms | first step s | Python c10d calls/step | in-graph AG/RS | step peak MiB | final loss (Δ vs eager) |")
-    say("|---|---|---|---|---|---|---|---|---|---|")
+    say("\n| variant | median ms | p10-p90 ms | vs eager | predicted ms | first step s | Python c10d calls/step | in-graph AG/RS | collective MB/step | step peak MiB | final loss (Δ vs eager) |")
+    say("|---|---|---|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
         graph = f"{r['all_gathers']}/{r['reduce_scatters']}" if r["all_gathers"] is not None else "-"
         say(
             f"| {name} | {r['median_step_s'] * 1e3:.1f} | {r['p10_step_s'] * 1e3:.1f}-{r['p90_step_s'] * 1e3:.1f} | "
             f"{r['ratio_vs_eager']:.2f}x | {'-' if r['predicted_step_ms'] is None else format(r['predicted_step_ms'], '.1f')} | {r['first_step_s']:.1f} | {r['eager_c10d_calls_per_step']} | {graph} | "
+            f"{r['collective_bytes_per_step'] / 1e6:.3f} | "
             f"{r['peak_bytes'] / 2**20:.1f} | {r['final_loss']:.5f} ({r['final_loss_delta_vs_eager']:.1e}) |"
         )
     tc, bound = results.get("torch.compile"), results.get("compute-only")
@@ -281,6 +322,11 @@ def main():
                 + f"; peak {r['peak_bytes'] / results['eager']['peak_bytes']:.2f}x eager's"
                 + (f"; first step {r['first_step_s'] / tc['first_step_s']:.2f}x torch.compile's" if tc else "")
             )
+    for base_name in ("eager", "fc") if args.float8 else ():
+        r, base_r = results.get(f"{base_name}:float8-ag"), results.get(base_name)
+        if r and base_r:
+            say(f"{base_name}:float8-ag moves {r['collective_bytes_per_step'] / base_r['collective_bytes_per_step']:.2f}x "
+                f"the collective bytes of {base_name} without it, at {r['median_step_s'] / base_r['median_step_s']:.2f}x its step time")
     if rank == 0:
         payload = {
             "config": vars(args) | {"world_size": world, "device": str(device)},
@@ -290,7 +336,7 @@ def main():
             "skipped": skipped,
             "variants": results,
         }
-        stem = f"compiled_vs_eager_{args.model}" + (f"_tp{args.tp}" if args.tp > 1 else "")
+        stem = f"compiled_vs_eager_{args.model}" + (f"_tp{args.tp}" if args.tp > 1 else "") + ("_float8" if args.float8 else "")
         H.write_json(os.path.join(args.out, f"{stem}.json"), payload)
         names = list(results)
         H.bar_chart(

@@ -3,6 +3,7 @@ the fake process group at world sizes 8 to 1024, scored by fsdp_compile's cost m
 
     python bench/scale_sim.py [--sizes llama3-8b llama3-70b] [--world-sizes 8 16 64 256 1024] [--quick]
     python bench/scale_sim.py --sizes llama3-70b --world-sizes 512 --tp 8     # FSDP 64 x TP 8
+    python bench/scale_sim.py --float8 [--quick]       # torchao float8 all-gather against bf16
 
 For every (model, world size, hardware profile) the forward and backward graphs are captured as
 ``fsdp_compile.compile`` would hand them to Inductor, and four schedules are scored by the same simulator:
@@ -23,7 +24,15 @@ With --tp N: torchtitan's TP plan (``fsdp_compile.models.tensor_parallel``, sequ
 of a (W/N, N) mesh and FSDP over the W/N dp ranks; TP's collectives are in every variant's graphs, priced
 like FSDP's on their own group (a group of at most 8 ranks on the intra-node link), and stay where the
 model issues them (no variant moves them).
-Writes bench/results/scale_sim.json and scale_sim.png (scale_sim_tp<N>_<sizes>.* with --tp).
+With --float8: every configuration is captured twice, as above (bf16) and with every Linear but the output
+a torchao Float8Linear with enable_fsdp_float8_all_gather=True (its weights gathered as float8, one byte
+per element): its matmuls are torch._scaled_mm, priced at the profile's float8 rate (H100: twice bf16's),
+plus its dynamic-scaling casts, each priced as its own memory-bound op (Inductor fuses them into a few
+kernels, so the float8 step's compute is overpriced: read its all-gather bytes and exposed communication,
+not its step). One variant, fc default, in bf16 and in float8 (float8 blocks compile inline, not as
+regions: a slower capture).
+Writes bench/results/scale_sim.json and scale_sim.png (scale_sim_tp<N>_<sizes>.* with --tp, scale_sim_float8.*
+with --float8).
 """
 
 from __future__ import annotations
@@ -53,12 +62,18 @@ from fsdp_compile.models import SIZES, Llama, llama_blocks, tensor_parallel  # n
 VARIANTS = ("eager-equivalent", "eager FSDP2", "fc default", "torch 2.13 passes")
 
 
-def capture(size: str, world: int, seq: int, hardware: str, tp: int = 1, **config):
-    """Forward and backward graphs of one training step (after our passes), and the schedule applied."""
+def capture(size: str, world: int, seq: int, hardware: str, tp: int = 1, float8: bool = False, **config):
+    """Forward and backward graphs of one training step (after our passes), and the schedule applied;
+    ``float8``: torchao's float8 Linears with the float8 all-gather."""
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
         with torch.device("meta"):
             model = Llama(SIZES[size])
+        if float8:
+            from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+            config8 = Float8LinearConfig(enable_fsdp_float8_all_gather=True)  # torch._scaled_mm, as on an H100
+            convert_to_float8_training(model, config=config8, module_filter_fn=lambda _, fqn: fqn != "output")
         mesh = {}
         if tp > 1:
             from torch.distributed.device_mesh import init_device_mesh
@@ -79,7 +94,8 @@ def capture(size: str, world: int, seq: int, hardware: str, tp: int = 1, **confi
 
 
 def score(graphs, hardware: str, variant: str, world: int, schedule=None, tp: int = 1) -> dict:
-    out = {"step_ms": 0.0, "exposed_comm_ms": 0.0, "peak_bytes": 0, "all_gathers": 0, "reduce_scatters": 0}
+    out = {"step_ms": 0.0, "exposed_comm_ms": 0.0, "peak_bytes": 0, "all_gathers": 0, "reduce_scatters": 0,
+           "all_gather_bytes": 0}
     # the torch passes and the all-reduces' sizes resolve process groups by name: score them under a fake
     # group of the same size, with the mesh made again in the same order (so its groups get the same names)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
@@ -103,6 +119,7 @@ def score(graphs, hardware: str, variant: str, world: int, schedule=None, tp: in
             out["exposed_comm_ms"] += sched.exposed_comm_time * 1e3
             out["peak_bytes"] = max(out["peak_bytes"], passes.peak_memory(gm.graph)[0])
             out["all_gathers"] += sum(1 for c in sched.collectives if c.kind == "all_gather")
+            out["all_gather_bytes"] += sum(c.bytes for c in sched.collectives if c.kind == "all_gather")
             out["reduce_scatters"] += sum(1 for c in sched.collectives if c.kind == "reduce_scatter")
     finally:
         dist.destroy_process_group()
@@ -117,24 +134,30 @@ def main():
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--quick", action="store_true", help="llama3-8b at world sizes 8 and 64 only")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel degree: FSDP over world/tp ranks")
+    ap.add_argument("--float8", action="store_true", help="bf16 against torchao's float8 all-gather (eager FSDP2, fc default)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
     if args.quick:
         args.sizes, args.world_sizes = ["llama3-8b"], [8, 64]
+    if args.float8 and args.tp > 1:
+        ap.error("--float8 with --tp: fsdp_compile refuses all-gather extensions on TP parameters")
+    variants = ("fc default",) if args.float8 else VARIANTS
     rows = []
     t0 = time.monotonic()
     for size in args.sizes:
         for world in args.world_sizes:
             profiles = ["h100-nvlink", "h100-ib"] if world <= 8 else ["h100-ib"]
-            for hardware in profiles:
-                placed, _, modules = capture(size, world, args.seq, hardware, args.tp, bucket="fsdp_group", reorder=False)
-                ours, report, _ = capture(size, world, args.seq, hardware, args.tp)
+            for hardware, float8 in [(h, f) for h in profiles for f in ((False, True) if args.float8 else (False,))]:
+                ours, report, _ = capture(size, world, args.seq, hardware, args.tp, float8)
                 plan = report.schedule
-                eager = passes.Schedule(
-                    units=tuple(eager_fsdp2(modules)), policy="eager FSDP2", workload=plan["workload"],
-                    hardware=hardware, comm_budget_bytes=0, predicted={}, planning_s=0.0,
-                )
-                for variant in VARIANTS:
+                placed = eager = None
+                if variants != ("fc default",):
+                    placed, _, modules = capture(size, world, args.seq, hardware, args.tp, float8, bucket="fsdp_group", reorder=False)
+                    eager = passes.Schedule(
+                        units=tuple(eager_fsdp2(modules)), policy="eager FSDP2", workload=plan["workload"],
+                        hardware=hardware, comm_budget_bytes=0, predicted={}, planning_s=0.0,
+                    )
+                for variant in variants:
                     graphs = ours if variant == "fc default" else placed
                     try:
                         r = score(graphs, hardware, variant, world, eager, args.tp)
@@ -143,8 +166,10 @@ def main():
                     if variant == "fc default":
                         r["planning_ms"] = report.planning_ms
                         r["units"] = len(plan["units"])
-                    rows.append({"model": size, "world_size": world, "tp": args.tp, "hardware": hardware, "variant": variant, **r})
-                    sys.stderr.write(f"[{time.monotonic() - t0:6.0f}s] {size} W={world} {hardware} {variant}: "
+                    name = variant + (" float8" if float8 else "")
+                    rows.append({"model": size, "world_size": world, "tp": args.tp, "hardware": hardware, "variant": name,
+                                 "float8_all_gather": float8, **r})
+                    sys.stderr.write(f"[{time.monotonic() - t0:6.0f}s] {size} W={world} {hardware} {name}: "
                                      f"{r.get('step_ms', float('nan')):.1f} ms, exposed {r.get('exposed_pct', float('nan')):.1f}%\n")
     print(__doc__.split("Model assumptions")[1].split("Writes")[0].strip().replace("\n", " "))
     print("\n| model | W | hardware | variant | step ms | exposed comm ms (% of step) | peak GiB/rank | AG/RS | planning ms |")
@@ -157,7 +182,20 @@ def main():
         print(f"| {r['model']} | {r['world_size']} | {r['hardware']} | {r['variant']} | {r['step_ms']:.1f} | "
               f"{r['exposed_comm_ms']:.2f} ({r['exposed_pct']:.1f}%) | {r['peak_bytes'] / 2**30:.2f} | "
               f"{r['all_gathers']}/{r['reduce_scatters']} | {planning} |")
-    stem = "scale_sim" + (f"_tp{args.tp}_{'_'.join(args.sizes)}" if args.tp > 1 else "")
+    if args.float8:
+        print("\nfloat8 all-gather against bf16 (same model, W, hardware, schedule policy):")
+        print("| model | W | hardware | variant | all-gather GB/step | exposed comm ms | step ms |")
+        print("|---|---|---|---|---|---|---|")
+        by = {(r["model"], r["world_size"], r["hardware"], r["variant"]): r for r in rows if "error" not in r}
+        for (model, world, hardware, name), f8 in by.items():
+            bf = by.get((model, world, hardware, name.removesuffix(" float8")))
+            if not name.endswith(" float8") or bf is None:
+                continue
+            print(f"| {model} | {world} | {hardware} | {name.removesuffix(' float8')} | "
+                  f"{bf['all_gather_bytes'] / 1e9:.2f} -> {f8['all_gather_bytes'] / 1e9:.2f} "
+                  f"({f8['all_gather_bytes'] / bf['all_gather_bytes']:.2f}x) | {bf['exposed_comm_ms']:.2f} -> "
+                  f"{f8['exposed_comm_ms']:.2f} | {bf['step_ms']:.1f} -> {f8['step_ms']:.1f} ({f8['step_ms'] / bf['step_ms']:.3f}x) |")
+    stem = "scale_sim" + (f"_tp{args.tp}_{'_'.join(args.sizes)}" if args.tp > 1 else "") + ("_float8" if args.float8 else "")
     H.write_json(os.path.join(args.out, f"{stem}.json"), {"machine": H.machine(), "config": vars(args), "rows": rows})
     _plot(rows, os.path.join(args.out, f"{stem}.png"))
     print(f"wrote {args.out}/{stem}.json and .png")
@@ -172,7 +210,8 @@ def _plot(rows, path):
     models = sorted({r["model"] for r in rows})
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
     for ax, model in zip(axes[0], models):
-        for variant, style in zip(VARIANTS, ("o-", "v-", "s-", "^--")):
+        names = list(dict.fromkeys(r["variant"] for r in rows))
+        for variant, style in zip(names, ("o-", "v-", "s-", "^--")):
             pts = sorted((r["world_size"], r["exposed_pct"]) for r in rows
                          if r["model"] == model and r["variant"] == variant and r["hardware"] == "h100-ib" and "error" not in r)
             if pts:

@@ -21,6 +21,12 @@ Here, per compiled call:
   gradients. The op sees a stand-in for the shard (``ShardGrad``: no memory, stride 0) whose gradient goes
   to the local shard, hence to the DTensor's ``.grad``, as FSDP2's post-backward sets it.
 
+float8 payloads (torchao's ``WeightWithDynamicFloat8CastTensor``) always travel as bytes: gloo has no float8
+type, so eager FSDP2 fails where every parameter of a module is float8, and the op does not. A parameter
+that ``fsdp_post_all_gather`` rebuilds as a tensor subclass (torchao's ``Float8TrainingTensor``; found by
+one call at plan time, ``read_spec``) makes its block compile inline, not as a region: torch 2.13's
+``invoke_subgraph`` takes no subclass operands (``capture.inline_reason``).
+
 Refused, naming the parameter: a subclass without ``__tensor_flatten__`` (its ``fsdp_post_all_gather``
 runs on it inside the graph), parameters that were DTensors before ``fully_shard`` (TP), an int
 ``reshard_after_forward`` (FSDP2 refuses it too), and metadata whose non-tensor leaves are not plain
@@ -29,6 +35,7 @@ constants. ``fsdp_post_all_gather`` is never called with ``out=``: each step bui
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from typing import NamedTuple
 
@@ -62,10 +69,13 @@ def read_spec(where: str, local: Tensor, args: tuple, parallel: bool, post_forwa
         raise NotImplementedError(f"{where}: its all-gather extension (fsdp_pre_all_gather) is not supported under "
                                   f"fsdp_compile.compile: {why}; train it with eager FSDP2")
     mesh, orig_size, stride, module, mp_policy = args
-    spec = ExtensionSpec(kind, mesh, orig_size, stride, module, mp_policy, n_args == 1, 0)
-    inputs, _ = pre_all_gather(where, local, spec, world_size)
-    return ExtensionSpec(kind, mesh, orig_size, stride, module, mp_policy, n_args == 1,
-                         sum(t.numel() * t.element_size() for t in inputs))
+    spec = ExtensionSpec(kind, mesh, orig_size, stride, module, mp_policy, n_args == 1, 0, "")
+    inputs, metadata = pre_all_gather(where, local, spec, world_size)
+    with torch.no_grad():  # what it rebuilds, from stand-ins of every rank's inputs (a subclass cannot be a region's operand)
+        outputs = tuple(t.new_empty((world_size * t.shape[0], *t.shape[1:])) for t in inputs)
+        full, _ = local.fsdp_post_all_gather(outputs, metadata, (mp_policy.param_dtype if mp_policy else None) or local.dtype)
+    return dataclasses.replace(spec, input_bytes=sum(t.numel() * t.element_size() for t in inputs),
+                               unsharded_kind=type(full).__name__ if type(full) not in (Tensor, torch.nn.Parameter) else "Tensor")
 
 
 def pre_all_gather(where: str, local: Tensor, spec, world_size: int) -> tuple[tuple[Tensor, ...], object]:

@@ -404,10 +404,20 @@ INLINE_PARALLEL = (
 )
 
 
+INLINE_SUBCLASS = (
+    "fsdp_post_all_gather rebuilds its parameter {fqn!r} as a {kind}, and torch 2.13's invoke_subgraph takes no "
+    "tensor subclass operands (measured with torchao's float8 weights)"
+)
+
+
 def inline_reason(plan: ShardingPlan, fqns: list[str]) -> str | None:
     """Why the blocks ``fqns`` (one kind) cannot run as a region at all, or None."""
-    if any(p.parallel is not None for f in fqns for p in plan.group(f).params):
+    params = [p for f in fqns for p in plan.group(f).params]
+    if any(p.parallel is not None for p in params):
         return INLINE_PARALLEL
+    for p in params:
+        if p.extension is not None and p.extension.unsharded_kind != "Tensor":
+            return INLINE_SUBCLASS.format(fqn=p.fqn, kind=p.extension.unsharded_kind)
     return None
 
 

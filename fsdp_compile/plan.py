@@ -46,7 +46,8 @@ class ParallelSpec:
 class ExtensionSpec:
     """A parameter whose local shard implements FSDP2's all-gather extension (``fsdp_pre_all_gather`` /
     ``fsdp_post_all_gather``, ``_extensions.py``): what its ``fsdp_pre_all_gather`` is called with, as FSDP2
-    calls it, and the bytes one rank's all-gather inputs take (measured once, at plan time)."""
+    calls it, the bytes one rank's all-gather inputs take and the class of the tensor it rebuilds (measured once, at
+    plan time)."""
 
     kind: str  # the local shard's class name (what the fingerprint compares)
     mesh: object  # FSDP2's shard mesh (shard_mesh_from_root)
@@ -56,6 +57,7 @@ class ExtensionSpec:
     mp_policy: object  # its MixedPrecisionPolicy
     one_arg: bool  # the older fsdp_pre_all_gather(mesh) signature
     input_bytes: int  # bytes of one rank's all-gather inputs
+    unsharded_kind: str  # the class of what fsdp_post_all_gather returns ("Tensor" or a subclass)
 
 
 @dataclasses.dataclass(frozen=True)

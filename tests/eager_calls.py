@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
@@ -19,11 +20,25 @@ COLLECTIVES = (
 )
 
 
+class Calls(list):
+    """The names of the collectives called, in order; ``bytes[i]``: the bytes of call ``i``'s largest tensor
+    argument (its full buffer: an all-gather's output, a reduce-scatter's input, an all-reduce's tensor)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes: list[int] = []
+
+
+def _largest(args, kwargs) -> int:
+    sizes = [t.numel() * t.element_size() for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+    return max(sizes, default=0)
+
+
 @contextlib.contextmanager
 def count_eager_collectives():
     """Within the block, every call of a ``torch.distributed`` collective is appended (by name) to the
-    yielded list. Patches both ``torch.distributed`` and ``distributed_c10d``; restores them on exit."""
-    calls: list[str] = []
+    yielded ``Calls``. Patches both ``torch.distributed`` and ``distributed_c10d``; restores them on exit."""
+    calls = Calls()
     saved = {}
     for module in (dist, c10d):
         for name in COLLECTIVES:
@@ -34,6 +49,7 @@ def count_eager_collectives():
 
             def counting(*args, _fn=fn, _name=name, **kwargs):
                 calls.append(_name)
+                calls.bytes.append(_largest(args, kwargs))
                 return _fn(*args, **kwargs)
 
             setattr(module, name, counting)

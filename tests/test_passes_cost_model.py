@@ -143,6 +143,23 @@ def test_compute_time_roofline_and_views():
     assert fast.compute_time(_node(g16, "aten.mm")) == pytest.approx(2 * 256 * 512 * 1024 / 4e12 + 1e-6)
 
 
+def test_float8_matmuls_at_the_float8_rate():
+    """torchao's float8 Linear (not emulated) runs torch._scaled_mm: its FLOPs are a matmul's, priced at the
+    profile's float8 rate (H100: the datasheet's dense FP8 at the same efficiency), not as memory traffic."""
+
+    def f(a, b):
+        one = torch.ones((), dtype=torch.float32)
+        return torch._scaled_mm(a, b.t(), one, one, out_dtype=torch.bfloat16)
+
+    g = _graph(f, (256, 512), (1024, 512), dtype=torch.float8_e4m3fn)
+    mm = _node(g, "aten._scaled_mm")
+    assert C.node_flops(mm) == 2 * 256 * 512 * 1024
+    fast = CostModel(HardwareProfile(**{**PROFILE.__dict__, "mem_bw": math.inf, "matmul_flops_float8": 8e12}))
+    assert fast.compute_time(mm) == pytest.approx(2 * 256 * 512 * 1024 / 8e12 + 1e-6)
+    assert C.H100_NVLINK.matmul_flops_float8 == pytest.approx(1979e12 * 0.7)
+    assert PROFILE.matmul_flops_float8 == PROFILE.matmul_flops_lowp  # not given: as bf16
+
+
 def test_auto_never_touches_a_gpu_driver(monkeypatch):
     """Inductor's estimator calls into the driver and fails on CPU; ours decides from the graph alone."""
 

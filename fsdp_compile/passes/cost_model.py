@@ -11,7 +11,7 @@
   (a ring's steps all run at the pace of its slowest hop). Process groups run concurrently and do not
   share bandwidth in this model.
 * Compute: roofline, ``max(FLOPs / matmul_flops, bytes / mem_bw) + op_overhead``. FLOPs are counted from
-  shapes for mm / addmm / bmm / baddbmm / convolution(+backward) / scaled-dot-product attention (+backward);
+  shapes for mm / _scaled_mm (float8, at the float8 rate) / addmm / bmm / baddbmm / convolution(+backward) / scaled-dot-product attention (+backward);
   every other op is memory bound (bytes read + written); views and aliases are free.
 
 Nothing here touches a GPU driver or Triton (Inductor's own estimator calls ``triton.testing.get_dram_gbps``,
@@ -68,6 +68,11 @@ class HardwareProfile:
     inter: LinkProfile | None = None  # link across nodes; None: one level
     source: str = ""  # where the numbers come from (and when they were measured)
     view_overhead: float = 0.0  # seconds per view / alias node (0 where compiled code makes views free)
+    matmul_flops_float8: float | None = None  # FLOP/s for float8 (torch._scaled_mm); None: as bf16
+
+    def __post_init__(self):
+        if self.matmul_flops_float8 is None:
+            object.__setattr__(self, "matmul_flops_float8", self.matmul_flops_lowp)
 
     def link(self, world_size: int) -> LinkProfile:
         if self.inter is None or world_size <= self.ranks_per_node:
@@ -75,17 +80,20 @@ class HardwareProfile:
         return self.inter
 
     def matmul_flops(self, dtype: torch.dtype) -> float:
+        if dtype.is_floating_point and dtype.itemsize == 1:  # the float8 types
+            return self.matmul_flops_float8
         return self.matmul_flops_lowp if dtype in (torch.bfloat16, torch.float16) else self.matmul_flops_fp32
 
 
 # --- H100 SXM5 ------------------------------------------------------------------------------------
 # Datasheet (NVIDIA H100 Tensor Core GPU datasheet, SXM5 column): 989 TFLOP/s dense BF16/FP16 tensor core
 # (1979 with sparsity), 67 TFLOP/s FP32 (non-tensor core; torch does not use TF32 for fp32 matmul by
-# default), 3.35 TB/s HBM3, NVLink 4 at 900 GB/s bidirectional = 450 GB/s per direction.
+# default), 1979 TFLOP/s dense FP8 tensor core, 3.35 TB/s HBM3, NVLink 4 at 900 GB/s bidirectional = 450 GB/s per direction.
 # Achievable fractions are estimates: large cuBLAS bf16 GEMMs reach ~70% of peak (~700 TFLOP/s);
 # STREAM-like copies reach ~85% of HBM bandwidth (~2.8 TB/s).
 _H100_BF16 = 989 * TFLOP * 0.70
 _H100_FP32 = 67 * TFLOP * 0.70
+_H100_FP8 = 1979 * TFLOP * 0.70  # torch._scaled_mm (torchao's float8 Linear); the same fraction assumed
 _H100_HBM = 3.35e12 * 0.85
 # Average launch cost per ATen node (~4 us per CUDA kernel launch without CUDA graphs; Inductor fuses
 # pointwise chains, so the share per FX node is lower): an estimate.
@@ -108,6 +116,7 @@ H100_NVLINK = HardwareProfile(
     device_type="cuda",
     matmul_flops_fp32=_H100_FP32,
     matmul_flops_lowp=_H100_BF16,
+    matmul_flops_float8=_H100_FP8,
     mem_bw=_H100_HBM,
     op_overhead=_H100_OP_OVERHEAD,
     intra=_NVLINK4,
@@ -224,6 +233,13 @@ _SDPA_BWD = {
 }
 
 
+def _matmul_dtype(node: fx.Node) -> torch.dtype:
+    """The precision a matmul-like node runs in: its narrowest floating-point input (float8 data beside
+    float32 scales in ``_scaled_mm``; ``mm`` of bf16 inputs)."""
+    dtypes = [t.dtype for a in node.all_input_nodes for t in P.val_tensors(a.meta.get("val")) if t.dtype.is_floating_point]
+    return min(dtypes, key=lambda d: d.itemsize, default=torch.float32)
+
+
 def node_flops(node: fx.Node) -> int:
     """FLOPs (multiply-add = 2) of matmul-like nodes, from input shapes; 0 for everything else."""
     if node.op != "call_function":
@@ -232,6 +248,9 @@ def node_flops(node: fx.Node) -> int:
     name = getattr(packet, "__name__", "")
     args = node.args
     if name == "mm":  # [M, K] @ [K, N]
+        (m, k), (_, n) = _shape(args[0]), _shape(args[1])
+        return 2 * m * k * n
+    if name == "_scaled_mm":  # float8 [M, K] @ [K, N] with scales (torchao's float8 Linear)
         (m, k), (_, n) = _shape(args[0]), _shape(args[1])
         return 2 * m * k * n
     if name == "addmm":  # bias + [M, K] @ [K, N]
@@ -325,7 +344,7 @@ class CostModel:
             return 0.0  # symbolic-size arithmetic and other host-side nodes
         p = self.profile
         flops = node_flops(node)
-        t_flops = flops / p.matmul_flops(tensors[0].dtype if tensors else torch.float32) if flops else 0.0
+        t_flops = flops / p.matmul_flops(_matmul_dtype(node)) if flops else 0.0
         t_mem = node_io_bytes(node) / p.mem_bw
         return max(t_flops, t_mem) + p.op_overhead
 
