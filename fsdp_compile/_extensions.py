@@ -71,9 +71,14 @@ def read_spec(where: str, local: Tensor, args: tuple, parallel: bool, post_forwa
     mesh, orig_size, stride, module, mp_policy = args
     spec = ExtensionSpec(kind, mesh, orig_size, stride, module, mp_policy, n_args == 1, 0, "")
     inputs, metadata = pre_all_gather(where, local, spec, world_size)
-    with torch.no_grad():  # what it rebuilds, from stand-ins of every rank's inputs (a subclass cannot be a region's operand)
-        outputs = tuple(t.new_empty((world_size * t.shape[0], *t.shape[1:])) for t in inputs)
-        full, _ = local.fsdp_post_all_gather(outputs, metadata, (mp_policy.param_dtype if mp_policy else None) or local.dtype)
+    _flatten_metadata(where, metadata)
+    outputs = tuple(t.new_empty((world_size * t.shape[0], *t.shape[1:])) for t in inputs)  # every rank's, uninitialized
+    try:  # what it rebuilds (a tensor subclass cannot be a region's operand)
+        with torch.no_grad():
+            full, _ = local.fsdp_post_all_gather(outputs, metadata, (mp_policy.param_dtype if mp_policy else None) or local.dtype)
+    except Exception as e:
+        raise RuntimeError(f"{where}: its fsdp_post_all_gather failed on tensors of the gathered inputs' shapes and "
+                           f"dtypes, called once at compile time to see what it builds: {type(e).__name__}: {e}") from e
     return dataclasses.replace(spec, input_bytes=sum(t.numel() * t.element_size() for t in inputs),
                                unsharded_kind=type(full).__name__ if type(full) not in (Tensor, torch.nn.Parameter) else "Tensor")
 
@@ -95,6 +100,17 @@ def pre_all_gather(where: str, local: Tensor, spec, world_size: int) -> tuple[tu
         raise ValueError(f"{where} is unevenly sharded: fsdp_pre_all_gather must return inputs of {padded} rows "
                          f"(FSDP2's padded shard), got {[tuple(t.shape) for t in inputs]}")
     return tuple(t.contiguous() for t in inputs), metadata
+
+
+def _flatten_metadata(where: str, metadata) -> tuple[list, pytree.TreeSpec]:
+    """``fsdp_pre_all_gather``'s metadata as pytree leaves, refused unless they are tensors and constants."""
+    leaves, spec = pytree.tree_flatten(metadata)
+    odd = [type(x).__name__ for x in leaves if not isinstance(x, (Tensor, *_CONSTANTS))]
+    if odd:
+        raise NotImplementedError(
+            f"{where}: fsdp_pre_all_gather's metadata holds {odd}: fsdp_compile.compile supports tensors and "
+            "plain constants (None, bool, int, float, str, dtype) there, whose changes it can see")
+    return leaves, spec
 
 
 class ShardGrad(torch.autograd.Function):
@@ -154,12 +170,7 @@ def prepare(units_params: list[list], units_plans: list[list], world_size_of) ->
                 continue
             where = f"parameter {pp.fqn!r}"
             inputs, metadata = pre_all_gather(where, local, pp.extension, world_size_of(pp))
-            leaves, spec = pytree.tree_flatten(metadata)
-            odd = [type(x).__name__ for x in leaves if not isinstance(x, (Tensor, *_CONSTANTS))]
-            if odd:
-                raise NotImplementedError(
-                    f"{where}: fsdp_pre_all_gather's metadata holds {odd}: fsdp_compile.compile supports tensors and "
-                    "plain constants (None, bool, int, float, str, dtype) there, whose changes it can see")
+            leaves, spec = _flatten_metadata(where, metadata)
             unit_shards.append(ShardGrad.apply(local))
             unit_tensors += [local.detach(), *inputs, *(x for x in leaves if isinstance(x, Tensor))]
             layouts.append(Layout(len(inputs), spec, tuple((True, None) if isinstance(x, Tensor) else (False, x) for x in leaves)))
