@@ -16,10 +16,12 @@ Variants (each its own model from the same seed, AdamW, the same batches):
   fc:fsdp_group     one collective per FSDP module, where eager FSDP2 issues them (reorder=False)
   fc:no-regions     the default without regions (every block compiled on its own)
 With --float8: every Linear but the output is torchao's Float8Linear (emulated matmuls off sm_89+ GPUs, so on
-a CPU the compute is not float8's), the variants are eager, eager:float8-ag, fc, fc:float8-ag and compute-only,
-where ":float8-ag" sets enable_fsdp_float8_all_gather=True and precomputes the scales after each optimizer
-step (precompute_float8_dynamic_scale_for_fsdp, as torchtitan does); the others gather the weights in their
-dtype and cast them in each Float8Linear.
+a CPU the compute is not float8's); the variants are eager, eager:float8-ag, torch.compile, fc, fc:float8-ag
+and compute-only, where ":float8-ag" sets enable_fsdp_float8_all_gather=True and precomputes the scales after
+each optimizer step (precompute_float8_dynamic_scale_for_fsdp, as torchtitan does); the others gather the
+weights in their dtype and cast them in each Float8Linear, inside the compiled graph where there is one
+(Inductor's scale can differ from eager's in the last bit, which flips float8 roundings: their losses drift
+from eager's, as any compiled float8 model's do).
 With --tp N (Llama models): torchtitan's TP plan (fsdp_compile.models.tensor_parallel: sequence parallel,
 column/row-parallel projections) on the tp dim of a (world/N, N) mesh, fully_shard over dp; the ranks of
 one TP group share their batch.
@@ -211,8 +213,9 @@ def main():
     }
     float8_ag = {}  # per variant with --float8: whether its float8 weights are all-gathered as float8
     if args.float8:
-        makers = {"eager": makers["eager"], "eager:float8-ag": makers["eager"], "compute-only": makers["compute-only"]}
-        fc_variants = {"fc": dict(), "fc:float8-ag": dict()}
+        makers = {"eager": makers["eager"], "eager:float8-ag": makers["eager"], "torch.compile": makers["torch.compile"],
+                  "compute-only": makers["compute-only"]}
+        fc_variants = {"fc": dict(), "fc:no-regions": dict(regions=False), "fc:float8-ag": dict()}
         float8_ag = {name: name.endswith(":float8-ag") for name in [*makers, *fc_variants]}
     makers = {k: f for k, f in makers.items() if k == "eager" or not args.variants or k in args.variants}
     skipped: dict[str, str] = {}

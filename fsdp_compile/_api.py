@@ -254,7 +254,7 @@ class CompiledFSDPModule(nn.Module):
     def regions(self) -> list[dict]:
         """Per kind of repeated block: compiled once as a region, or inline and why (``Report.regions``)."""
         repeated = capture.find_repeated_blocks(self._orig_mod, self.plan)
-        fixed = {i: why for i, fqns in enumerate(repeated) if (why := capture.inline_reason(self.plan, fqns))}
+        fixed = {i: why for i, fqns in enumerate(repeated) if (why := capture.inline_reason(self.plan, fqns, self._orig_mod))}
         return region_summary(repeated, self.captured.regions, self.config.regions, fixed)
 
     # The original model's state, unprefixed.

@@ -99,3 +99,26 @@ def test_adapter_reads_what_fsdp2_passes_fsdp_pre_all_gather():
         assert size == tuple(ext[0].sharded_param.shape) and stride == (size[1], 1)
         assert isinstance(module, torch.nn.Linear) and module.weight is ext[0].sharded_param
         assert mesh.size() == W and mp == MixedPrecisionPolicy()
+
+
+@pytest.mark.parametrize("float8_all_gather", [False, True])
+def test_torchao_float8_blocks_compile_inline(float8_all_gather):
+    """Blocks of torchao float8 Linears are compiled inline, not as a shared region, naming why: with the
+    float8 all-gather their parameters rebuild as Float8TrainingTensors (no subclass operands in
+    invoke_subgraph); without it the region trained to another loss under Inductor (capture.INLINE_FLOAT8)."""
+    pytest.importorskip("torchao.float8", reason="torchao (the test extra) is not installed")
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    from fsdp_compile import capture
+    from fsdp_compile.plan import read_plan
+
+    with fake_process_group(W):
+        torch.manual_seed(0)
+        model = Llama(LlamaArgs(n_layers=2))
+        config = Float8LinearConfig(enable_fsdp_float8_all_gather=float8_all_gather, emulate=True)
+        convert_to_float8_training(model, config=config, module_filter_fn=lambda _, fqn: fqn != "output")
+        shard(model, list(model.layers))
+        plan = read_plan(model)
+        why = capture.inline_reason(plan, ["layers.0", "layers.1"], model)
+    expected = "as a Float8TrainingTensor" if float8_all_gather else "torchao float8 modules (Float8Linear)"
+    assert expected in why, why
