@@ -118,7 +118,11 @@ class Variant:
         self.name = name
         self.model_name = model_name
         self.model = build(model_name, device, sharded, tp, float8_ag)
-        self.precompute = bool(float8_ag)
+        self.precompute = None  # with the float8 all-gather: torchao's scale precompute, after each optimizer step
+        if float8_ag:
+            from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+            self.precompute = precompute_float8_dynamic_scale_for_fsdp
         self.runner = make(self.model)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=3e-3)
         self.times: list[float] = []
@@ -136,10 +140,8 @@ class Variant:
         loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        if self.precompute:
-            from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
-
-            precompute_float8_dynamic_scale_for_fsdp(self.model)
+        if self.precompute is not None:
+            self.precompute(self.model)
         if tokens.is_cuda:
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0

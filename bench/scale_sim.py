@@ -151,7 +151,7 @@ def main():
                 ours, report, _ = capture(size, world, args.seq, hardware, args.tp, float8)
                 plan = report.schedule
                 placed = eager = None
-                if variants != ("fc default",):
+                if not args.float8:  # the eager-equivalent capture, for the other variants
                     placed, _, modules = capture(size, world, args.seq, hardware, args.tp, float8, bucket="fsdp_group", reorder=False)
                     eager = passes.Schedule(
                         units=tuple(eager_fsdp2(modules)), policy="eager FSDP2", workload=plan["workload"],

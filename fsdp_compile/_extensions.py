@@ -202,24 +202,17 @@ def split(unit_tensors: list[Tensor], layouts: tuple) -> tuple[list, list[Tensor
 
 
 def post_all_gather(local: Tensor, outputs: list[Tensor], metadata, handle: Tensor, param_dtype: torch.dtype,
-                    orig_size: tuple[int, ...], fqn: str) -> Tensor:
+                    spec, fqn: str) -> Tensor:
     """In the trace: ``fsdp_post_all_gather`` under ``no_grad`` (FSDP2 builds its unsharded parameter so),
-    trimmed to the parameter's size as FSDP2's ``init_unsharded_param`` does, with its gradient going to
-    ``handle``."""
+    trimmed to the parameter's size (``spec``: its ``ExtensionSpec``) as FSDP2's ``init_unsharded_param``
+    does, with its gradient going to ``handle``."""
     with torch.no_grad():
         full, _ = local.fsdp_post_all_gather(tuple(outputs), metadata, param_dtype)
-        if tuple(full.shape) != tuple(orig_size):  # uneven shards: FSDP2's as_strided drops the padding rows
-            full = torch.as_strided(full, orig_size, _contiguous(orig_size), 0)
+        if tuple(full.shape) != tuple(spec.orig_size):  # uneven shards: FSDP2's as_strided drops the padding rows
+            full = torch.as_strided(full, spec.orig_size, spec.contiguous_stride, 0)
     if full.dtype != handle.dtype or tuple(full.shape) != tuple(handle.shape):
         raise NotImplementedError(
             f"parameter {fqn!r}: fsdp_post_all_gather returned {full.dtype} {tuple(full.shape)}, expected "
             f"{handle.dtype} {tuple(handle.shape)} (the parameter's shape in param_dtype)")
     return Attach.apply(full, handle)
 
-
-def _contiguous(size: tuple[int, ...]) -> tuple[int, ...]:
-    out, acc = [], 1
-    for d in reversed(size):
-        out.append(acc)
-        acc *= max(d, 1)
-    return tuple(reversed(out))

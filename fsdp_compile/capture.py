@@ -277,7 +277,7 @@ def traced_forward(
                     continue
                 outputs = [next(outs) for _ in range(layout.n_inputs)]
                 full[p.fqn] = _extensions.post_all_gather(
-                    selves.pop(0), outputs, metadatas.pop(0), next(outs), dtype or p.orig_dtype, p.full_shape, p.fqn)
+                    selves.pop(0), outputs, metadatas.pop(0), next(outs), dtype or p.orig_dtype, p.extension, p.fqn)
     return torch.func.functional_call(model, full, args, kwargs, tie_weights=True, strict=False)
 
 

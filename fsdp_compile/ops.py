@@ -210,9 +210,6 @@ def unshard_impl(shards: list[Tensor], args: UnshardArgs, payloads: Sequence[Ten
         return _copy_out(gathered, shards, args.dim0s, c.world_size)
 
 
-_FLOAT8 = {getattr(torch, n) for n in dir(torch) if n.startswith("float8_")}
-
-
 def _unshard_payloads(shards: Sequence[Tensor], args: UnshardArgs, payloads: Sequence[Tensor]) -> list[Tensor]:
     """A unit with all-gather extensions, as FSDP2's ``foreach_all_gather`` and its copy-out: every rank's
     inputs (plain parameters padded and cast, extensions' ``fsdp_pre_all_gather`` tensors as they are)
@@ -231,7 +228,7 @@ def _unshard_payloads(shards: Sequence[Tensor], args: UnshardArgs, payloads: Seq
                 pieces.append(t.reshape(-1))
                 kinds.append(tuple(t.shape))
     # bytes where dtypes differ, as FSDP2 packs them, and always for float8 (gloo has no float8 type)
-    packed = len({p.dtype for p in pieces}) > 1 or any(p.dtype in _FLOAT8 for p in pieces)
+    packed = len({p.dtype for p in pieces}) > 1 or any(p.dtype.is_floating_point and p.dtype.itemsize == 1 for p in pieces)
     flats = [p.view(torch.uint8) for p in pieces] if packed else pieces
     flat = torch.cat(flats) if len(flats) > 1 else flats[0].clone()
     gathered = _c10d.wait_tensor(_c10d.all_gather_into_tensor(flat, world_size, c.group_name))

@@ -5,8 +5,9 @@
 ``timeout``, re-raises the first failing rank's traceback in the caller, and never leaves a process
 behind. Ranks are forked from a forkserver that has imported torch and fsdp_compile once per test session
 (a spawned rank spends about 3 s importing them; a forked one starts in milliseconds); each rank gets the
-caller's environment as it is at the call. ``fn`` must be a module-level function (it is pickled by reference); it gets ``(rank, world_size,
-*args)`` and its return value, which must be picklable, is returned per rank.
+caller's environment as it is at the call. ``fn`` must be a module-level function (it is pickled by
+reference); it gets ``(rank, world_size, *args)`` and its return value, which must be picklable, is
+returned per rank.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from dist_helpers import run_ranks
+from parity import max_diff
 
 pytestmark = pytest.mark.multirank
 
@@ -33,16 +34,6 @@ def build(mp: str, reshard: bool):
     if mp == "bf16":
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return shard(model, list(model.layers), **kwargs)
-
-
-def _diff(xs, ys) -> float:
-    d = 0.0
-    for x, y in zip(xs, ys):
-        if (x is None) != (y is None):
-            return float("inf")
-        if x is not None:
-            d = max(d, (x.to_local().float() - y.to_local().float()).abs().max().item())
-    return d
 
 
 def _step(model, opt, x) -> float:
@@ -78,12 +69,12 @@ def run_case(rank: int, mp: str, reshard: bool, change_metadata: bool) -> dict:
         x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1000 * step + rank))
         le, lc = _step(eager, opt_e, x), _step(compiled, opt_c, x)
         out["losses"].append((le.item(), lc.item()))
-        out["grad_diff"].append(_diff([p.grad for p in eager.parameters()], [p.grad for p in model.parameters()]))
+        out["grad_diff"].append(max_diff([p.grad for p in eager.parameters()], [p.grad for p in model.parameters()]))
         out["grad_types"] = sorted({type(p.grad).__name__ for p in model.parameters()})
         for opt in (opt_e, opt_c):
             opt.step()
             opt.zero_grad()
-        out["param_diff"].append(_diff(list(eager.parameters()), list(model.parameters())))
+        out["param_diff"].append(max_diff(list(eager.parameters()), list(model.parameters())))
     out["forward_gathers"] = _gathers(compiled.captured.forward[0])
     out["dynamo_graphs"] = len(compiled.captured.dynamo)
     out["local_types"] = sorted({type(p.to_local()).__name__ for p in model.parameters()})

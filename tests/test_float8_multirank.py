@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from dist_helpers import run_ranks
+from parity import max_diff
 
 pytest.importorskip("torchao.float8", reason="torchao (the test extra) is not installed")
 
@@ -62,10 +63,6 @@ def build(float8_all_gather: bool, bf16: bool, reshard: bool, per_linear: bool):
     return shard(model, list(model.layers), **kwargs)
 
 
-def _max_diff(xs, ys) -> float:
-    return max((x.to_local().float() - y.to_local().float()).abs().max().item() for x, y in zip(xs, ys))
-
-
 def _train(model, runner, steps: int, rank: int, precompute: bool) -> dict:
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
@@ -88,8 +85,8 @@ def _train(model, runner, steps: int, rank: int, precompute: bool) -> dict:
 def _compare(a: dict, b: dict) -> dict:
     return {
         "losses_equal": a["losses"] == b["losses"],
-        "grad_diff": max(_max_diff(ga, gb) for ga, gb in zip(a["grads"], b["grads"])),
-        "param_diff": _max_diff(a["params"], b["params"]),
+        "grad_diff": max(max_diff(ga, gb) for ga, gb in zip(a["grads"], b["grads"])),
+        "param_diff": max_diff(a["params"], b["params"]),
     }
 
 
