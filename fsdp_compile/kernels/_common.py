@@ -355,8 +355,11 @@ if triton is not None:
             y = x.to(DST)
         return y
 
-    from triton.runtime.interpreter import InterpretedFunction
+    # Not isinstance(cast_to, InterpretedFunction): importing triton.runtime.interpreter imports numpy,
+    # which no GPU user needs and this package does not declare. Under TRITON_INTERPRET=1 @triton.jit
+    # returns an InterpretedFunction, which is not a JITFunction.
+    from triton.runtime.jit import JITFunction
 
-    _INTERPRETED = isinstance(cast_to, InterpretedFunction)
+    _INTERPRETED = not isinstance(cast_to, JITFunction)
 else:  # pragma: no cover
     _INTERPRETED = False
