@@ -364,6 +364,7 @@ def compile(model: nn.Module, config: CompileConfig | None = None, **overrides) 
     """
     if isinstance(model, CompiledFSDPModule):
         raise TypeError("this model is already compiled by fsdp_compile.compile; pass the original module")
+    _fsdp2.warn_if_untested_torch()
     if isinstance(model, nn.Module):
         meta = [n for n, p in model.named_parameters() if p.is_meta]
         if meta:

@@ -12,12 +12,32 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 
 import torch
 import torch.nn as nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy
 
-TESTED_TORCH = "2.13"  # what CI runs; torch 2.14.1 was seen to run the demo unchanged
+# CI runs the whole suite on 2.13.0 and the fast tier and the demo on 2.14.1 (.ci/run)
+TESTED_TORCH = ("2.13", "2.14")
+_TESTED = " and ".join(f"{v}.x" for v in TESTED_TORCH)
+_INSTALL = "install torch==2.13.0 or torch==2.14.1"
+
+
+@functools.cache
+def warn_if_untested_torch() -> bool:
+    """Warn, once per process, when this torch is not a version fsdp_compile is tested with: it reads
+    FSDP2's private state and Inductor's internals, which change without notice between releases."""
+    version = torch.__version__.split("+")[0]
+    if ".".join(version.split(".")[:2]) in TESTED_TORCH:
+        return False
+    warnings.warn(
+        f"fsdp_compile is tested with torch {_TESTED}, not {version}: it reads FSDP2's private state, so "
+        f"training may fail or, worse, differ from eager FSDP2 without an error; {_INSTALL}, or check "
+        "this torch with the test suite (python3 -m pytest tests) before relying on it",
+        UserWarning, stacklevel=3,
+    )
+    return True
 
 
 class FSDP2Changed(RuntimeError):
@@ -30,8 +50,8 @@ def _get(obj, name: str):
     except AttributeError:
         raise FSDP2Changed(
             f"fsdp_compile reads FSDP2's {type(obj).__name__}.{name}, which torch {torch.__version__} does not "
-            f"have: fsdp_compile is tested with torch {TESTED_TORCH}.x; install torch=={TESTED_TORCH}.0, or a "
-            "fsdp_compile release made for this torch"
+            f"have: fsdp_compile is tested with torch {_TESTED}; {_INSTALL}, or a fsdp_compile release made "
+            "for this torch"
         ) from None
 
 
@@ -43,7 +63,7 @@ def _private(module: str, name: str):
     except (ImportError, AttributeError):
         raise FSDP2Changed(
             f"fsdp_compile uses FSDP2's {module}.{name}, which torch {torch.__version__} does not have: "
-            f"fsdp_compile is tested with torch {TESTED_TORCH}.x; install torch=={TESTED_TORCH}.0"
+            f"fsdp_compile is tested with torch {_TESTED}; {_INSTALL}"
         ) from None
 
 

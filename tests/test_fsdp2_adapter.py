@@ -224,7 +224,29 @@ def test_a_missing_attribute_names_it_and_the_torch_we_test(fake4, monkeypatch):
     monkeypatch.delattr(type(pg), "reduce_scatter_unused_params", raising=False)
     monkeypatch.delattr(pg, "reduce_scatter_unused_params", raising=False)
     with pytest.raises(_fsdp2.FSDP2Changed, match=r"FSDPParamGroup\.reduce_scatter_unused_params, which torch .* does "
-                       rf"not have: fsdp_compile is tested with torch {_fsdp2.TESTED_TORCH}\.x"):
+                       r"not have: fsdp_compile is tested with torch 2\.13\.x and 2\.14\.x; install torch==2\.13\.0"):
         _fsdp2.settings(state, pg)
     with pytest.raises(_fsdp2.FSDP2Changed, match=r"_fsdp_common\.no_such_thing"):
         _fsdp2._private("_fsdp_common", "no_such_thing")
+
+
+def test_an_untested_torch_is_warned_once(monkeypatch):
+    import warnings
+
+    _fsdp2.warn_if_untested_torch.cache_clear()
+    monkeypatch.setattr(torch, "__version__", "2.15.0+cu130")
+    try:
+        with pytest.warns(UserWarning, match=r"tested with torch 2\.13\.x and 2\.14\.x, not 2\.15\.0.*install torch==2\.13\.0"):
+            assert _fsdp2.warn_if_untested_torch()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            _fsdp2.warn_if_untested_torch()  # once per process
+        _fsdp2.warn_if_untested_torch.cache_clear()
+        for tested in ("2.13.0+cpu", "2.14.1", "2.14.2+cu128"):
+            monkeypatch.setattr(torch, "__version__", tested)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                assert not _fsdp2.warn_if_untested_torch()
+            _fsdp2.warn_if_untested_torch.cache_clear()
+    finally:
+        _fsdp2.warn_if_untested_torch.cache_clear()
