@@ -3,9 +3,17 @@
     torchrun --nproc-per-node 2 bench/compiled_vs_eager.py [--model small|tiny|hf-llama] [--steps 20] [--quick]
     torchrun --nproc-per-node 4 bench/compiled_vs_eager.py --tp 2 [--quick]     # FSDP over dp x TP over tp
     torchrun --nproc-per-node 2 bench/compiled_vs_eager.py --float8 [--quick]   # torchao float8 all-gather
+    torchrun --nproc-per-node 1 bench/compiled_vs_eager.py --device cuda --model llama-1b --mp bf16 --batch 2 \
+        --variants torch.compile fc                                          # one GPU (bench/gpu.sh)
 
 Models: ``small``/``tiny`` (fsdp_compile.models.Llama), ``hf-llama`` (transformers' LlamaForCausalLM: hidden 256,
-intermediate 688, 8 heads, vocab 4096, 4 layers, sdpa; batch 4 x 128 unless set).
+intermediate 688, 8 heads, vocab 4096, 4 layers, sdpa; batch 4 x 128 unless set), ``llama-1b`` (the same Llama
+at 0.95B parameters for one GPU: dim 2048, 16 layers of 16 heads, FFN 5632, vocab 32000; sequences of 2048
+unless set; with ``--mp bf16`` and batch 2 one variant holds 15 GB of fp32 parameters, gradients and AdamW
+state, so eager, torch.compile and fc fit one 80 GB H100 together).
+Device: ``--device auto`` (the default) runs on GPUs with NCCL when CUDA is present, else on CPU with gloo;
+``cuda`` insists on GPUs (one per rank); ``cpu`` hides them. ``--mp bf16``: FSDP2's MixedPrecisionPolicy(bf16
+parameters, fp32 reduce) on every fully_shard call (compute-only: the model cast to bf16).
 Variants (each its own model from the same seed, AdamW, the same batches):
   eager             torch's fully_shard, no compile
   torch.compile     torch.compile(model) on the fully_shard model: FSDP2's hooks stay eager (graph breaks)
@@ -31,7 +39,8 @@ alike), the cost model's predicted step time next to it (cpu-gloo on CPU; for ea
 with collectives where eager issues them), collectives per step (Python c10d calls, i.e. eager hooks,
 and collectives inside compiled graphs) and the bytes they move, peak step memory (tensor bytes allocated by one step above
 those live before it), final loss versus eager.
-Writes bench/results/compiled_vs_eager_<model>.json and .png. Gloo on CPU; NCCL when CUDA is present.
+Writes bench/results/compiled_vs_eager_<model>.json and .png (``--stem`` names them otherwise); on GPUs the
+JSON names the device, the GPU count and the torch, CUDA and Triton versions. Gloo on CPU; NCCL on GPUs.
 """
 
 from __future__ import annotations
@@ -44,11 +53,13 @@ import time
 
 if "--warm-cache" not in sys.argv:  # before torch reads its config: every variant compiles from scratch
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="fsdp_compile_bench_")
+if "--device=cpu" in sys.argv or any(a == "--device" and b == "cpu" for a, b in zip(sys.argv, sys.argv[1:])):
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before torch initializes CUDA: H.init_ranks then picks gloo on CPU
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 sys.path.insert(0, os.path.dirname(__file__))
 import _harness as H  # noqa: E402
@@ -56,10 +67,15 @@ import _harness as H  # noqa: E402
 import fsdp_compile as fc  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "tests"))
 from eager_calls import count_eager_collectives  # noqa: E402  (the tests' instrumentation)
-from fsdp_compile.models import SIZES, Llama, llama_blocks, tensor_parallel  # noqa: E402
+from fsdp_compile.models import SIZES, Llama, LlamaArgs, llama_blocks, tensor_parallel  # noqa: E402
 from fsdp_compile.report import collective_bytes, count_collectives  # noqa: E402
 
 HF_VOCAB = 4096
+# Benchmark-only sizes beside fsdp_compile.models.SIZES: "llama-1b" fills one 80 GB GPU with three variants
+# (eager, torch.compile, fc) of bf16 mixed precision at batch 2 x 2048.
+BENCH_SIZES = {"llama-1b": LlamaArgs(vocab=32000, dim=2048, n_layers=16, n_heads=16, ffn_dim=5632, max_seq=2048)}
+MODEL_SIZES = {**SIZES, **BENCH_SIZES}
+MP = {None: None, "bf16": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
 
 
 _MESH = None  # the (dp, tp) mesh of --tp, built once
@@ -75,8 +91,10 @@ def float8(model: torch.nn.Module, model_name: str, device: torch.device, all_ga
     convert_to_float8_training(model, config=config, module_filter_fn=lambda _, fqn: fqn != output)
 
 
-def build(model_name: str, device: torch.device, sharded: bool = True, tp: int = 1, float8_ag: bool | None = None):
-    """``float8_ag``: None, no float8; else torchao's float8 Linears, with the float8 all-gather or not."""
+def build(model_name: str, device: torch.device, sharded: bool = True, tp: int = 1, float8_ag: bool | None = None,
+          mp: str | None = None):
+    """``float8_ag``: None, no float8; else torchao's float8 Linears, with the float8 all-gather or not.
+    ``mp``: a key of ``MP``, FSDP2's mixed precision on every fully_shard call (unsharded: the model cast)."""
     torch.manual_seed(0)
     with torch.device(device):
         if model_name == "hf-llama":
@@ -88,7 +106,7 @@ def build(model_name: str, device: torch.device, sharded: bool = True, tp: int =
             model, blocks = LlamaForCausalLM(cfg), None
             blocks = list(model.model.layers)
         else:
-            model = Llama(SIZES[model_name])
+            model = Llama(MODEL_SIZES[model_name])
             blocks = llama_blocks(model)
     if float8_ag is not None:
         float8(model, model_name, device, float8_ag)
@@ -102,7 +120,9 @@ def build(model_name: str, device: torch.device, sharded: bool = True, tp: int =
         tensor_parallel(model, _MESH["tp"])
         mesh = {"mesh": _MESH["dp"]}
     if not sharded:
-        return model
+        return model.to(MP[mp].param_dtype) if mp else model
+    if mp:
+        mesh["mp_policy"] = MP[mp]
     for block in blocks:
         fully_shard(block, **mesh)
     return fully_shard(model, **mesh)
@@ -114,10 +134,10 @@ def logits_of(model_name: str, out):
 
 class Variant:
     def __init__(self, name: str, model_name: str, device: torch.device, make, sharded: bool = True, tp: int = 1,
-                 float8_ag: bool | None = None):
+                 float8_ag: bool | None = None, mp: str | None = None):
         self.name = name
         self.model_name = model_name
-        self.model = build(model_name, device, sharded, tp, float8_ag)
+        self.model = build(model_name, device, sharded, tp, float8_ag, mp)
         self.precompute = None  # with the float8 all-gather: torchao's scale precompute, after each optimizer step
         if float8_ag:
             from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
@@ -177,19 +197,29 @@ def batch(step: int, rank: int, vocab: int, device, batch_size: int, seq: int):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="small", choices=[*sorted(SIZES), "hf-llama"])
+    ap.add_argument("--model", default="small", choices=[*sorted(SIZES), *BENCH_SIZES, "hf-llama"])
     ap.add_argument("--steps", type=int, default=20, help="timed steps per variant (after 2 warm-up steps)")
     ap.add_argument("--window", type=int, default=5, help="steps per interleaved window")
     ap.add_argument("--backend", default="inductor", choices=["inductor", "aot_eager"])
     ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=None, help="tokens per sequence (64; 128 for hf-llama)")
+    ap.add_argument("--seq", type=int, default=None, help="tokens per sequence (64; 128 for hf-llama, 2048 for llama-1b)")
     ap.add_argument("--quick", action="store_true", help="tiny model, 10 timed steps: a few minutes on 2 CPU ranks")
     ap.add_argument("--variants", nargs="*", help="variants to run besides eager (default: all)")
     ap.add_argument("--warm-cache", action="store_true", help="reuse Inductor's on-disk caches (default: a fresh, cold cache)")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (Llama models): FSDP over world/tp ranks")
     ap.add_argument("--float8", action="store_true", help="torchao float8 Linears, with and without the float8 all-gather")
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                    help="auto: GPUs (NCCL) when CUDA is present, else CPU (gloo); cuda: GPUs or an error; cpu: hide GPUs")
+    ap.add_argument("--mp", default=None, choices=[k for k in MP if k], help="FSDP2 mixed precision (bf16 parameters, fp32 reduce)")
+    ap.add_argument("--stem", default=None, help="results file name without extension (default compiled_vs_eager_<model>[...])")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: torch.cuda.is_available() is False (no GPU, or a CPU build of torch)")
+    if args.device == "cuda" and int(os.environ.get("LOCAL_WORLD_SIZE", 1)) > torch.cuda.device_count():
+        ap.error(f"--device cuda: {os.environ['LOCAL_WORLD_SIZE']} ranks on this node but {torch.cuda.device_count()} GPUs (one each)")
+    if args.mp and args.model == "hf-llama":
+        ap.error("--mp: fsdp_compile.models' Llama sizes only")
     if args.float8 and args.tp > 1:
         ap.error("--float8 with --tp: fsdp_compile refuses all-gather extensions on TP parameters")
     if args.tp > 1 and args.model == "hf-llama":
@@ -199,9 +229,9 @@ def main():
     if args.quick:
         args.model, args.steps, args.window = "tiny", 10, 5
     if args.seq is None:
-        args.seq = 128 if args.model == "hf-llama" else 64
+        args.seq = {"hf-llama": 128, "llama-1b": 2048}.get(args.model, 64)
     device, rank, world, say = H.init_ranks(timeout_s=900)
-    vocab = HF_VOCAB if args.model == "hf-llama" else SIZES[args.model].vocab
+    vocab = HF_VOCAB if args.model == "hf-llama" else MODEL_SIZES[args.model].vocab
 
     makers = {
         "eager": lambda m: m,
@@ -233,10 +263,11 @@ def main():
         skipped["torch.compile"] = ("fails to compile FSDP2 + TP in torch 2.13 (BackendCompilerFailed); run it alone "
                                     "with --variants torch.compile")
     variants = [Variant(name, args.model, device, make, sharded=name != "compute-only", tp=args.tp,
-                        float8_ag=float8_ag.get(name)) for name, make in makers.items()]
+                        float8_ag=float8_ag.get(name), mp=args.mp) for name, make in makers.items()]
     say(f"compiled_vs_eager: '{args.model}', {world} ranks ({dist.get_backend()}), backend={args.backend}, "
         f"batch {args.batch} x {args.seq}" + (f", FSDP {world // args.tp} x TP {args.tp}" if args.tp > 1 else "")
-        + (", torchao float8 Linears" if args.float8 else ""))
+        + (", torchao float8 Linears" if args.float8 else "") + (f", mixed precision {args.mp}" if args.mp else "")
+        + (f", {torch.cuda.get_device_name(device)}" if device.type == "cuda" else ""))
     for name, why in skipped.items():
         say(f"  skipped {name}: {why}")
 
@@ -341,7 +372,14 @@ def main():
             "skipped": skipped,
             "variants": results,
         }
-        stem = f"compiled_vs_eager_{args.model}" + (f"_tp{args.tp}" if args.tp > 1 else "") + ("_float8" if args.float8 else "")
+        if device.type == "cuda":  # which GPU produced these numbers
+            import triton
+
+            payload["gpu"] = {"device": torch.cuda.get_device_name(device), "gpu_count": torch.cuda.device_count(),
+                              "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__,
+                              "nccl": ".".join(map(str, torch.cuda.nccl.version()))}
+        stem = args.stem or (f"compiled_vs_eager_{args.model}" + (f"_tp{args.tp}" if args.tp > 1 else "")
+                             + ("_float8" if args.float8 else ""))
         H.write_json(os.path.join(args.out, f"{stem}.json"), payload)
         names = list(results)
         H.bar_chart(

@@ -1,0 +1,324 @@
+"""On a CUDA machine: the Triton copy kernels compiled for the GPU, and the compiled step over NCCL.
+
+Every test here is marked ``cuda`` and skips, saying why, without a CUDA device (CI and the CPU
+development machine); ``bench/gpu.sh`` runs them with ``pytest -m cuda tests``.
+
+(a) Kernels: each of the four copy kernels with ``impl="triton"`` (compiled by Triton for this GPU, not
+    interpreted) bitwise equal to ``impl="torch"`` (the pure-torch reference, also on the GPU) for every
+    (src, dst) pair of fp32/bf16/fp16, over test_kernels.py's odd shapes plus tensors that span several
+    programs, on world sizes that leave empty and padded shards. The torch reference itself is checked
+    against test_kernels.py's spec on the same tensors.
+(b) The compiled step on one NCCL rank against eager FSDP2 on the same seed (``parity.run_case``):
+    ``aot_eager`` must be bitwise (fp32 and bf16/fp16 mixed precision: the same aten kernels in the same
+    order); Inductor generates other kernels (fused RMSNorm and softmax, reordered reductions), so it gets
+    a tolerance: losses within 1e-4, gradients and updated shards within 1e-3 after 3 AdamW steps, fp32.
+    The ranks run with deterministic algorithms and the math SDPA backend, so that eager itself is
+    reproducible (flash and memory-efficient attention backward accumulate with atomics).
+(c) The same on 8 NCCL ranks, one GPU each, when 8 GPUs are there (NCCL pinned to one ring, see there).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import tempfile
+import time
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fsdp_compile import kernels as K
+from fsdp_compile.kernels import _common as C
+from parity import Case
+from test_kernels import (
+    DTYPES, SHAPES, _unshard_reshard, assert_bitwise, params, spec_copy_in, spec_copy_out, spec_rs_copy_in,
+    spec_rs_copy_out, spec_shard, special_fp32,
+)
+
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(GPUS == 0, reason="needs a CUDA device (torch.cuda.is_available() is False here); "
+                                         "on a GPU machine run bench/gpu.sh"),
+]
+
+# test_kernels.py's odd shapes, plus tensors of several 2048-element programs each (C._GPU_BLOCK), one of
+# them with a ragged last block, and one that no world size below divides evenly.
+CUDA_SHAPES = [*SHAPES, (1001, 301), (4099,), (257, 3), (37, 2048)]
+# 1: no padding; 2: even splits of most shapes; 3, 5, 7: rows that no rank count divides; 8: empty shards.
+WORLD_SIZES = (1, 2, 3, 5, 7, 8)
+PAIRS = [(s, d) for s in DTYPES for d in DTYPES]
+
+
+def _pair_id(pair) -> str:
+    return "->".join(str(t).removeprefix("torch.") for t in pair)
+
+
+@pytest.fixture
+def cuda_triton():
+    """The Triton kernels compiled for this GPU: skips where Triton cannot, or where TRITON_INTERPRET=1
+    built them for the CPU interpreter (its tables hold host addresses, no use on a device)."""
+    pytest.importorskip("triton")
+    if C.interpreting():
+        pytest.skip("TRITON_INTERPRET=1 is set: fsdp_compile's kernels were built for the CPU interpreter")
+    if C.resolve_impl("auto", torch.device("cuda"), (torch.float32,)) != "triton":
+        pytest.skip("Triton cannot compile for this CUDA device (torch.utils._triton.has_triton() is False)")
+    return torch.device("cuda")
+
+
+def cuda_params(shapes, dtype, seed):
+    """test_kernels.params on the GPU, the first large tensor overwritten with special values (random bit
+    patterns, rounding ties, infinities, NaNs, subnormals, fp16 overflow), so every cast meets them."""
+    fulls = params(shapes, dtype, seed=seed)
+    i = shapes.index((1001, 301))
+    special = special_fp32().to(dtype)
+    flat = fulls[i].reshape(-1)
+    flat[: special.numel()] = special
+    return [f.cuda() for f in fulls]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# (a) Kernels: triton == torch on the GPU, bitwise.
+
+
+def test_auto_picks_triton_on_cuda(cuda_triton):
+    """What CompileConfig(kernels="auto") relies on: the ops' "auto" resolves to the Triton kernels here."""
+    assert all(C.resolve_impl("auto", cuda_triton, (d,)) == "triton" for d in DTYPES)
+
+
+@pytest.mark.parametrize("pair", PAIRS, ids=_pair_id)
+def test_all_gather_triton_equals_torch(pair, cuda_triton):
+    src, dst = pair
+    for world_size in WORLD_SIZES:
+        fulls = cuda_params(CUDA_SHAPES, src, seed=world_size)
+        chunks = []
+        for rank in range(world_size):
+            shards = [spec_shard(f, world_size, rank) for f in fulls]
+            ref = K.all_gather_copy_in(shards, CUDA_SHAPES, world_size, rank, dst, impl="torch")
+            assert_bitwise(ref, spec_copy_in(fulls, world_size, rank, dst), f"torch copy-in W={world_size} rank {rank}")
+            got = K.all_gather_copy_in(shards, CUDA_SHAPES, world_size, rank, dst, impl="triton")
+            assert_bitwise(got, ref, f"triton copy-in W={world_size} rank {rank}")
+            chunks.append(ref)
+        gathered = torch.cat(chunks)  # dst, what all_gather_into_tensor returns
+        for out_dtype in (None, src):
+            ref = K.all_gather_copy_out(gathered, CUDA_SHAPES, world_size, out_dtype, impl="torch")
+            assert_bitwise(ref, spec_copy_out(gathered, CUDA_SHAPES, world_size, out_dtype or dst), f"torch copy-out W={world_size}")
+            got = K.all_gather_copy_out(gathered, CUDA_SHAPES, world_size, out_dtype, impl="triton")
+            assert_bitwise(got, ref, f"triton copy-out W={world_size} dtype={out_dtype}")
+
+
+@pytest.mark.parametrize("pair", PAIRS, ids=_pair_id)
+def test_reduce_scatter_triton_equals_torch(pair, cuda_triton):
+    src, dst = pair
+    for world_size in WORLD_SIZES:
+        grads = cuda_params(CUDA_SHAPES, src, seed=100 + world_size)
+        packed = K.reduce_scatter_copy_in(grads, world_size, dst, impl="torch")
+        assert_bitwise(packed, spec_rs_copy_in(grads, world_size, dst), f"torch rs copy-in W={world_size}")
+        assert_bitwise(K.reduce_scatter_copy_in(grads, world_size, dst, impl="triton"), packed, f"triton rs copy-in W={world_size}")
+        chunk = packed.numel() // world_size
+        for rank in range(world_size):
+            reduced = packed[rank * chunk : (rank + 1) * chunk]
+            ref = K.reduce_scatter_copy_out(reduced, CUDA_SHAPES, world_size, rank, src, impl="torch")
+            assert_bitwise(ref, spec_rs_copy_out(reduced, CUDA_SHAPES, world_size, rank, src), f"torch rs copy-out W={world_size} rank {rank}")
+            got = K.reduce_scatter_copy_out(reduced, CUDA_SHAPES, world_size, rank, src, impl="triton")
+            assert_bitwise(got, ref, f"triton rs copy-out W={world_size} rank {rank}")
+
+
+@pytest.mark.parametrize("dst", (torch.bfloat16, torch.float16))
+def test_downcast_rounds_like_torch_on_cuda(dst, cuda_triton):
+    """The GPU's own conversions (cvt.rn for fp16, _round_to_bf16 for bf16) against torch's CUDA casts."""
+    x = special_fp32().cuda()
+    assert_bitwise(K.all_gather_copy_in([x], [tuple(x.shape)], 1, 0, dst, impl="triton"), x.to(dst))
+    h = x.to(torch.float16)
+    assert_bitwise(K.all_gather_copy_in([h], [tuple(h.shape)], 1, 0, torch.bfloat16, impl="triton"), h.to(torch.bfloat16))
+
+
+def test_one_launch_per_call_strides_and_out(cuda_triton):
+    """Many tensors, one launch per kernel call; transposed and strided inputs; ``out=`` into this rank's
+    slice of a larger buffer, leaving the rest untouched."""
+    world_size, rank = 5, 2
+    shapes = [(8, 6), (10,), *CUDA_SHAPES]
+    fulls = [torch.randn(6, 8, device="cuda").t(), torch.randn(20, device="cuda")[::2],
+             *cuda_params(CUDA_SHAPES, torch.float32, seed=3)]
+    shards = [spec_shard(f, world_size, rank) for f in fulls]
+    before = dict(C.LAUNCHES)
+    got = K.all_gather_copy_in(shards, shapes, world_size, rank, torch.bfloat16, impl="triton")
+    assert_bitwise(got, K.all_gather_copy_in(shards, shapes, world_size, rank, torch.bfloat16, impl="torch"))
+    packed = K.reduce_scatter_copy_in(fulls, world_size, torch.bfloat16, impl="triton")
+    assert_bitwise(packed, K.reduce_scatter_copy_in(fulls, world_size, torch.bfloat16, impl="torch"))
+    strided = torch.stack([packed, packed], 1)[:, 0]  # the same values, stride 2
+    assert_bitwise(K.all_gather_copy_out(strided, shapes, world_size, torch.float32, impl="triton"),
+                   K.all_gather_copy_out(packed, shapes, world_size, torch.float32, impl="torch"))
+    chunk = packed.numel() // world_size
+    assert_bitwise(K.reduce_scatter_copy_out(strided[rank * chunk : (rank + 1) * chunk], shapes, world_size, rank, torch.float32, impl="triton"),
+                   K.reduce_scatter_copy_out(packed[rank * chunk : (rank + 1) * chunk], shapes, world_size, rank, torch.float32, impl="torch"))
+    for name in ("all_gather_copy_in", "all_gather_copy_out", "reduce_scatter_copy_in", "reduce_scatter_copy_out"):
+        assert C.LAUNCHES[name] - before.get(name, 0) == 1, name
+
+    buffer = torch.full((world_size * got.numel(),), -1.0, dtype=torch.bfloat16, device="cuda")
+    mine = buffer.narrow(0, rank * got.numel(), got.numel())
+    assert K.all_gather_copy_in(shards, shapes, world_size, rank, torch.bfloat16, impl="triton", out=mine) is mine
+    assert_bitwise(mine, got)
+    rest = torch.cat([buffer[: rank * got.numel()], buffer[(rank + 1) * got.numel() :]])
+    assert bool((rest == -1).all())
+    rs_out = torch.empty_like(packed)
+    assert K.reduce_scatter_copy_in(fulls, world_size, torch.bfloat16, impl="triton", out=rs_out) is rs_out
+    assert_bitwise(rs_out, packed)
+    torch.cuda.synchronize()
+
+
+def test_inductor_runs_the_triton_ops_on_cuda(cuda_triton):
+    """Under Inductor on CUDA the ops stay extern kernels: the Triton copies run inside the compiled graph
+    (4 launches) and give the eager torch reference's bits."""
+    world_size, rank = 4, 1
+    fulls = cuda_params(CUDA_SHAPES, torch.float32, seed=15)
+    grads = cuda_params(CUDA_SHAPES, torch.bfloat16, seed=16)
+    shards = [spec_shard(f, world_size, rank) for f in fulls]
+    want = _unshard_reshard(shards, grads, world_size, rank, "torch")
+    torch._dynamo.reset()
+    compiled = torch.compile(_unshard_reshard, backend="inductor", fullgraph=True)
+    before = sum(C.LAUNCHES.values())
+    got = compiled(shards, grads, world_size, rank, "triton")
+    assert sum(C.LAUNCHES.values()) - before == 4
+    for g, w in zip(got, want):
+        assert_bitwise(g, w)
+    torch._dynamo.reset()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# (b), (c) The compiled step over NCCL against eager FSDP2.
+#
+# tests/dist_helpers.run_ranks is gloo only (and forks its ranks, which CUDA forbids once initialized), so
+# the NCCL ranks are spawned here, the same way: a FileStore, bounded waits, the first failure re-raised.
+
+BITWISE = [
+    Case(),  # fp32, one FSDP group per block, FSDP2's own collective order
+    Case(mp="bf16"),
+    Case(model="odd", mp="fp16"),  # uneven dim-0 shards, a root with parameters; fp16 reduce: pre/post divide
+    Case(mp="bf16", bucket="auto", reorder=True, n_layers=3),  # fc's defaults: buckets and prefetch
+    Case(model="llama_ac", mp="bf16", bucket="auto", reorder=True),  # checkpoint_wrapper blocks as regions
+]
+INDUCTOR = Case(backend="inductor")
+INDUCTOR_LOSS_TOL, INDUCTOR_TENSOR_TOL = 1e-4, 1e-3
+
+
+def _nccl_rank(rank, world_size, store_path, fn, args, results):
+    try:
+        torch.cuda.set_device(rank)
+        dist.init_process_group(
+            "nccl", store=dist.FileStore(store_path, world_size), rank=rank, world_size=world_size,
+            timeout=datetime.timedelta(seconds=300), device_id=torch.device("cuda", rank),
+        )
+        try:
+            out = fn(rank, world_size, *args)
+        finally:
+            dist.destroy_process_group()
+        results.put((rank, "ok", out))
+    except BaseException:  # noqa: BLE001 - reported to the parent with the traceback
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def run_nccl_ranks(fn, world_size: int, *args, timeout: float = 900.0):
+    """``fn(rank, world_size, *args)`` on ``world_size`` spawned NCCL ranks, rank r on GPU r; its return
+    values, one per rank."""
+    ctx = torch.multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=_nccl_rank, args=(r, world_size, os.path.join(tmp, "store"), fn, args, results), daemon=True)
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        outs = {}
+        try:
+            deadline = time.monotonic() + timeout
+            while len(outs) < world_size:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{fn.__name__} on {world_size} NCCL ranks did not finish in {timeout:.0f} s")
+                try:
+                    rank, status, payload = results.get(timeout=1.0)
+                except queue.Empty:
+                    dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in outs]
+                    if dead:
+                        raise AssertionError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}") from None
+                    continue
+                if status == "error":
+                    raise AssertionError(f"rank {rank} failed:\n{payload}")
+                outs[rank] = payload
+        finally:
+            for p in procs:
+                p.join(timeout=5)
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                    p.join(timeout=5)
+    return [outs[r] for r in range(world_size)]
+
+
+def nccl_worker(rank, world_size, cases):
+    """parity.run_case per case (eager FSDP2 and fc side by side), with the batches on this rank's GPU
+    (FSDP2 moves a CPU batch into the model, but the loss compares the output with the CPU batch); then
+    test_kernels_e2e_multirank's torch-copies vs Triton-copies run, compiled both ways."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before the first cuBLAS handle
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cuda.enable_flash_sdp(False)  # the math backend: a deterministic attention backward
+    torch.backends.cuda.enable_mem_efficient_sdp(False)
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    import parity
+    import test_kernels_e2e_multirank as e2e
+
+    import fsdp_compile as fc
+
+    cpu_batch = parity.batch
+
+    def cuda_batch(case, step, r):
+        return cpu_batch(case, step, r).cuda()
+
+    parity.batch = e2e.batch = cuda_batch
+    out = {"parity": parity.parity_worker(rank, world_size, cases)}
+    out["kernels"] = fc.compile(parity.build(Case()), backend="aot_eager").kernels  # CompileConfig(kernels="auto")
+    out["triton_vs_torch"] = e2e._kernels_worker(rank, Case(model="odd"))
+    return out
+
+
+def check_nccl(results, cases):
+    for rank, r in enumerate(results):
+        assert r["kernels"] == "triton", (rank, r["kernels"])  # "auto" picked the Triton copies on CUDA
+        k = r["triton_vs_torch"]
+        assert k["loss"]["torch"] == k["loss"]["triton"], (rank, k["loss"])
+        assert max(k["grad_diff"]) == 0.0 and max(k["param_diff"]) == 0.0, (rank, k)
+        assert {op.split(".")[1] for op in k["graph_ops"]["triton"]} == {
+            "all_gather_copy_in", "all_gather_copy_out", "reduce_scatter_copy_in", "reduce_scatter_copy_out"}, k["graph_ops"]
+        for case in cases:
+            c = r["parity"][case.name]
+            assert c["graph_breaks"] == 0 and c["dynamo_graphs"] == 1, (rank, case.name, c)
+            assert c["grad_types"] == ["DTensor"], (rank, case.name, c["grad_types"])
+            if case.backend == "aot_eager":
+                assert c["loss_compiled"] == c["loss_eager"], (rank, case.name, c["loss_eager"], c["loss_compiled"])
+                assert max(c["grad_diff"]) == 0.0 and max(c["param_diff"]) == 0.0, (rank, case.name, c)
+                assert max(c["compiled_buffer_diff"]) == 0.0, (rank, case.name, c)
+            else:
+                diffs = [abs(a - b) for a, b in zip(c["loss_eager"], c["loss_compiled"])]
+                assert max(diffs) < INDUCTOR_LOSS_TOL, (rank, case.name, diffs)
+                assert max(c["grad_diff"]) < INDUCTOR_TENSOR_TOL and max(c["param_diff"]) < INDUCTOR_TENSOR_TOL, (rank, case.name, c)
+
+
+@pytest.mark.skipif(GPUS > 0 and not dist.is_nccl_available(), reason="this torch build has no NCCL")
+def test_compiled_step_equals_eager_one_nccl_rank():
+    cases = [*BITWISE, INDUCTOR]
+    check_nccl(run_nccl_ranks(nccl_worker, 1, cases), cases)
+
+
+@pytest.mark.skipif(0 < GPUS < 8, reason=f"needs 8 GPUs for 8 NCCL ranks (one each); {GPUS} here")
+@pytest.mark.skipif(GPUS > 0 and not dist.is_nccl_available(), reason="this torch build has no NCCL")
+def test_compiled_step_equals_eager_eight_nccl_ranks(monkeypatch):
+    """NCCL on one ring and one channel (the ranks inherit the environment): with several channels, or NVLS,
+    an element's summation order in a reduce-scatter depends on its offset in the buffer, which fc's buckets
+    change; on one ring it depends only on the rank that receives it, as in eager FSDP2's buffers."""
+    monkeypatch.setenv("NCCL_ALGO", "Ring")
+    monkeypatch.setenv("NCCL_MIN_NCHANNELS", "1")
+    monkeypatch.setenv("NCCL_MAX_NCHANNELS", "1")
+    cases = [*BITWISE, INDUCTOR]
+    check_nccl(run_nccl_ranks(nccl_worker, 8, cases), cases)
