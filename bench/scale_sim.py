@@ -31,6 +31,17 @@ plus its dynamic-scaling casts, each priced as its own memory-bound op (Inductor
 kernels, so the float8 step's compute is overpriced: read its all-gather bytes and exposed communication,
 not its step). One variant, fc default, in bf16 and in float8 (float8 blocks compile inline, not as
 regions: a slower capture).
+Overlap limit (the "limit" columns and keys): max(compute, communication), the step a perfect overlap of the
+two would give, both from the same simulation as the step, at the same profile and on each variant's own
+graphs. compute = the compute stream's busy time over the forward and backward graphs: every non-collective
+node as captured (before Inductor: aten ops priced one by one, unfused, attention as the captured graph
+computes it), the FSDP copy-in kernels included (the cat packing each all-gather's input; the cat packing
+each reduce-scatter's fp32 gradients; the copy-out is views of the gathered buffer, free), plus one launch
+per collective. communication = the collectives' durations on the busiest process group's stream (all-gathers
+and reduce-scatters share one stream per group), both graphs. Neither includes the optimizer step, gradient
+clipping or anything else outside the two graphs. The step is forward's plus backward's and no collective
+crosses between them, so limit_per_graph_ms (per graph, max(compute, communication), summed) is the tighter
+bound; the tables print the step-level one. x/limit = x's step / limit.
 Writes bench/results/scale_sim.json and scale_sim.png (scale_sim_tp<N>_<sizes>.* with --tp, scale_sim_float8.*
 with --float8).
 """
@@ -95,7 +106,8 @@ def capture(size: str, world: int, seq: int, hardware: str, tp: int = 1, float8:
 
 def score(graphs, hardware: str, variant: str, world: int, schedule=None, tp: int = 1) -> dict:
     out = {"step_ms": 0.0, "exposed_comm_ms": 0.0, "peak_bytes": 0, "all_gathers": 0, "reduce_scatters": 0,
-           "all_gather_bytes": 0}
+           "all_gather_bytes": 0, "compute_ms": 0.0, "limit_per_graph_ms": 0.0}
+    comm_per_group: dict[str, float] = {}  # ms of collectives per process group (one stream each), both graphs
     # the torch passes and the all-reduces' sizes resolve process groups by name: score them under a fake
     # group of the same size, with the mesh made again in the same order (so its groups get the same names)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
@@ -121,9 +133,21 @@ def score(graphs, hardware: str, variant: str, world: int, schedule=None, tp: in
             out["all_gathers"] += sum(1 for c in sched.collectives if c.kind == "all_gather")
             out["all_gather_bytes"] += sum(c.bytes for c in sched.collectives if c.kind == "all_gather")
             out["reduce_scatters"] += sum(1 for c in sched.collectives if c.kind == "reduce_scatter")
+            # the overlap limit, from this same simulation: the compute stream's busy time and the busiest
+            # communication stream's (the docstring's "Overlap limit")
+            out["compute_ms"] += sched.compute_time * 1e3
+            graph_comm: dict[str, float] = {}
+            for c in sched.collectives:
+                graph_comm[c.process_group] = graph_comm.get(c.process_group, 0.0) + c.duration * 1e3
+                comm_per_group[c.process_group] = comm_per_group.get(c.process_group, 0.0) + c.duration * 1e3
+            out["limit_per_graph_ms"] += max(sched.compute_time * 1e3, max(graph_comm.values(), default=0.0))
     finally:
         dist.destroy_process_group()
     out["exposed_pct"] = 100 * out["exposed_comm_ms"] / out["step_ms"] if out["step_ms"] else 0.0
+    out["comm_ms"] = max(comm_per_group.values(), default=0.0)
+    out["comm_per_group_ms"] = comm_per_group
+    out["limit_ms"] = max(out["compute_ms"], out["comm_ms"])
+    out["step_over_limit"] = out["step_ms"] / out["limit_ms"] if out["limit_ms"] else float("nan")
     return out
 
 
@@ -171,7 +195,7 @@ def main():
                                  "float8_all_gather": float8, **r})
                     sys.stderr.write(f"[{time.monotonic() - t0:6.0f}s] {size} W={world} {hardware} {name}: "
                                      f"{r.get('step_ms', float('nan')):.1f} ms, exposed {r.get('exposed_pct', float('nan')):.1f}%\n")
-    print(__doc__.split("Model assumptions")[1].split("Writes")[0].strip().replace("\n", " "))
+    print("Model assumptions" + __doc__.split("Model assumptions")[1].split("Writes")[0].rstrip().replace("\n", " "))
     print("\n| model | W | hardware | variant | step ms | exposed comm ms (% of step) | peak GiB/rank | AG/RS | planning ms |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
@@ -182,6 +206,7 @@ def main():
         print(f"| {r['model']} | {r['world_size']} | {r['hardware']} | {r['variant']} | {r['step_ms']:.1f} | "
               f"{r['exposed_comm_ms']:.2f} ({r['exposed_pct']:.1f}%) | {r['peak_bytes'] / 2**30:.2f} | "
               f"{r['all_gathers']}/{r['reduce_scatters']} | {planning} |")
+    _print_limits(rows)
     if args.float8:
         print("\nfloat8 all-gather against bf16 (same model, W, hardware, schedule policy):")
         print("| model | W | hardware | variant | all-gather GB/step | exposed comm ms | step ms |")
@@ -201,6 +226,30 @@ def main():
     print(f"wrote {args.out}/{stem}.json and .png")
 
 
+def _print_limits(rows):
+    """Per configuration: the overlap limit (fc default's graphs) beside fc default's step and eager FSDP2's."""
+    print("\nOverlap limit: max(compute, comm), ms, from the same simulation as each step; compute = compute-stream "
+          "busy time (every captured non-collective node, FSDP copy-in cats included, + collective launches), "
+          "comm = the busiest process group's collectives; no optimizer step (see the docstring)")
+    print("| model | W | hardware | compute ms | comm ms | limit ms | fc step ms | eager FSDP2 step ms | fc/limit | eager/limit |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    by = {(r["model"], r["world_size"], r["hardware"], r["variant"]): r for r in rows if "error" not in r}
+    for (model, world, hardware, name), fc_row in by.items():
+        if not name.startswith("fc default"):
+            continue
+        suffix = name.removeprefix("fc default")  # "" or " float8"
+        eager_row = by.get((model, world, hardware, "eager FSDP2" + suffix))
+        eager_step = eager_ratio = "-"
+        if eager_row is not None:
+            eager_step = f"{eager_row['step_ms']:.1f}"
+            eager_ratio = f"{eager_row['step_over_limit']:.3f}"
+            if abs(eager_row["limit_ms"] / fc_row["limit_ms"] - 1) > 1e-3:  # its graphs do other work: own limit
+                eager_ratio += f" (own limit {eager_row['limit_ms']:.1f})"
+        print(f"| {model} | {world} | {hardware}{suffix} | {fc_row['compute_ms']:.1f} | {fc_row['comm_ms']:.1f} | "
+              f"{fc_row['limit_ms']:.1f} | {fc_row['step_ms']:.1f} | {eager_step} | {fc_row['step_over_limit']:.3f} | "
+              f"{eager_ratio} |")
+
+
 def _plot(rows, path):
     import matplotlib
 
@@ -208,20 +257,22 @@ def _plot(rows, path):
     import matplotlib.pyplot as plt
 
     models = sorted({r["model"] for r in rows})
-    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
-    for ax, model in zip(axes[0], models):
-        names = list(dict.fromkeys(r["variant"] for r in rows))
-        for variant, style in zip(names, ("o-", "v-", "s-", "^--")):
-            pts = sorted((r["world_size"], r["exposed_pct"]) for r in rows
-                         if r["model"] == model and r["variant"] == variant and r["hardware"] == "h100-ib" and "error" not in r)
-            if pts:
-                ax.plot(*zip(*pts), style, label=variant)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("world size (h100-ib profile)")
-        ax.set_ylabel("predicted exposed communication, % of step")
-        ax.set_title(f"{model}: simulated FSDP step")
-        ax.legend()
-        ax.grid(alpha=0.3)
+    fig, axes = plt.subplots(2, len(models), figsize=(6 * len(models), 7.5), squeeze=False)
+    names = list(dict.fromkeys(r["variant"] for r in rows))
+    for col, model in enumerate(models):
+        for ax, key, ylabel in ((axes[0][col], "exposed_pct", "predicted exposed communication, % of step"),
+                                (axes[1][col], "step_over_limit", "step / overlap limit max(compute, comm)")):
+            for variant, style in zip(names, ("o-", "v-", "s-", "^--")):
+                pts = sorted((r["world_size"], r[key]) for r in rows
+                             if r["model"] == model and r["variant"] == variant and r["hardware"] == "h100-ib" and "error" not in r)
+                if pts:
+                    ax.plot(*zip(*pts), style, label=variant)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("world size (h100-ib profile)")
+            ax.set_ylabel(ylabel)
+            ax.set_title(f"{model}: simulated FSDP step")
+            ax.legend()
+            ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
