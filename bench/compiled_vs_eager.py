@@ -23,6 +23,13 @@ Variants (each its own model from the same seed, AdamW, the same batches):
   fc                fsdp_compile.compile(model): the default (bucket="auto", reorder=True, regions)
   fc:fsdp_group     one collective per FSDP module, where eager FSDP2 issues them (reorder=False)
   fc:no-regions     the default without regions (every block compiled on its own)
+  simplefsdp        a peer, when torchtitan is importable: torchtitan's SimpleFSDP (graph_trainer's
+                    data_parallel, mode "fully_shard", its MixedPrecisionPolicy with --mp) compiled with
+                    fullgraph=True and its transformer-block bucketing (torch's manual_overlap_bucketing over
+                    the embedding, each block, then norm + output), as graph_trainer's JIT mode does; its
+                    Inductor settings (no buffer reuse, no peak-memory or comm reordering, the pass as
+                    post_grad_custom_post_pass) are given to this compile only, not set globally; on
+                    CPU, torch's roofline estimates get this machine's figures (_cpu_roofline says why)
 With --float8: every Linear but the output is torchao's Float8Linear (emulated matmuls off sm_89+ GPUs, so on
 a CPU the compute is not float8's); the variants are eager, eager:float8-ag, torch.compile, fc, fc:float8-ag
 and compute-only, where ":float8-ag" sets enable_fsdp_float8_all_gather=True and precomputes the scales after
@@ -91,10 +98,71 @@ def float8(model: torch.nn.Module, model_name: str, device: torch.device, all_ga
     convert_to_float8_training(model, config=config, module_filter_fn=lambda _, fqn: fqn != output)
 
 
-def build(model_name: str, device: torch.device, sharded: bool = True, tp: int = 1, float8_ag: bool | None = None,
+def simple_fsdp_missing() -> str | None:
+    """Why the simplefsdp variant cannot run here, or None."""
+    try:
+        from torch._inductor.fx_passes.overlap_manual_scheduling import manual_overlap_bucketing  # noqa: F401
+        from torchtitan.experiments.graph_trainer import simple_fsdp  # noqa: F401
+    except ImportError as e:
+        return (f"needs torchtitan 0.3.0's graph_trainer ({e}): python3 -m pip install torchtitan==0.3.0 --no-deps "
+                "&& python3 -m pip install spmd-types==0.3.1 tyro==1.0.16")
+    return None
+
+
+def transformer_block_buckets(model_name: str, n_layers: int) -> list:
+    """graph_trainer's bucket plan (common_utils.get_default_transformer_block_buckets) in this model's
+    names: the embedding, one bucket per block, then the final norm with the output projection."""
+    if model_name == "hf-llama":
+        return ["model.embed_tokens", *(f"model.layers.{i}" for i in range(n_layers)), ["model.norm", "lm_head"]]
+    return ["tok_embeddings", *(f"layers.{i}" for i in range(n_layers)), ["norm", "output"]]
+
+
+def _cpu_roofline() -> None:
+    """torch's overlap scheduler (under manual_overlap_bucketing) estimates every compute node with a
+    roofline that asks Triton for the GPU's DRAM bandwidth, and fails without a GPU driver ("0 active
+    drivers", ../shared/probes/README.md). On CPU, this process gives it this machine's measured figures
+    instead: fsdp_compile's cpu-gloo profile (bench/calibrate_cpu_gloo.py), the one fc's planner uses."""
+    import torch.utils._runtime_estimation as estimation
+    from fsdp_compile.passes.cost_model import get_profile
+
+    cpu = get_profile("cpu-gloo")
+    estimation.get_gpu_dram_gbps = lambda: cpu.mem_bw / 1e9
+    estimation.get_device_tflops = lambda dtype: (cpu.matmul_flops_fp32 if dtype == torch.float32
+                                                  else cpu.matmul_flops_lowp) / 1e12
+
+
+def compile_simple_fsdp(model: torch.nn.Module, model_name: str, backend: str):
+    """graph_trainer's JIT compile (compile.py, jit_backend.py) with transformer_block_bucketing."""
+    from functools import partial
+
+    n_layers = len(model.model.layers if model_name == "hf-llama" else model.layers)
+    buckets = transformer_block_buckets(model_name, n_layers)
+    if not any(p.is_cuda for p in model.parameters()):
+        _cpu_roofline()
+    if backend == "aot_eager":
+        from torch._dynamo.backends.common import aot_autograd
+        from torchtitan.experiments.graph_trainer.fsdp_passes import transformer_block_bucketing_reordering_pass
+
+        pass_ = partial(transformer_block_bucketing_reordering_pass, fsdp_manual_buckets=buckets)
+        return torch.compile(model, fullgraph=True, backend=aot_autograd(
+            fw_compiler=pass_, bw_compiler=pass_, keep_inference_input_mutations=True))
+    from torch._inductor.fx_passes.overlap_manual_scheduling import manual_overlap_bucketing
+
+    def bucketing(graph: torch.fx.Graph):
+        return manual_overlap_bucketing(graph.owning_module, module_bucket_plans=buckets, insert_overlap_deps=True)
+
+    # the settings jit_backend.py writes into torch._inductor.config, scoped to this compile (forward and backward)
+    options = {"allow_buffer_reuse": False, "reorder_for_peak_memory": False,
+               "reorder_for_compute_comm_overlap": False, "post_grad_custom_post_pass": bucketing}
+    return torch.compile(model, fullgraph=True, backend="inductor", options=options)
+
+
+def build(model_name: str, device: torch.device, sharded: bool | str = True, tp: int = 1, float8_ag: bool | None = None,
           mp: str | None = None):
-    """``float8_ag``: None, no float8; else torchao's float8 Linears, with the float8 all-gather or not.
-    ``mp``: a key of ``MP``, FSDP2's mixed precision on every fully_shard call (unsharded: the model cast)."""
+    """``sharded``: True, torch's fully_shard per block and at the root; False, not sharded; "simplefsdp",
+    torchtitan's SimpleFSDP over all ranks. ``float8_ag``: None, no float8; else torchao's float8 Linears,
+    with the float8 all-gather or not. ``mp``: a key of ``MP``, FSDP2's mixed precision on every
+    fully_shard call (unsharded: the model cast; SimpleFSDP: its own policy of the same dtypes)."""
     torch.manual_seed(0)
     with torch.device(device):
         if model_name == "hf-llama":
@@ -121,6 +189,13 @@ def build(model_name: str, device: torch.device, sharded: bool = True, tp: int =
         mesh = {"mesh": _MESH["dp"]}
     if not sharded:
         return model.to(MP[mp].param_dtype) if mp else model
+    if sharded == "simplefsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torchtitan.experiments.graph_trainer import simple_fsdp as S
+
+        policy = S.MixedPrecisionPolicy(MP[mp].param_dtype, MP[mp].reduce_dtype) if mp else None
+        return S.data_parallel(model, init_device_mesh(device.type, (dist.get_world_size(),)), mode="fully_shard",
+                               mp_policy=policy)
     if mp:
         mesh["mp_policy"] = MP[mp]
     for block in blocks:
@@ -133,7 +208,7 @@ def logits_of(model_name: str, out):
 
 
 class Variant:
-    def __init__(self, name: str, model_name: str, device: torch.device, make, sharded: bool = True, tp: int = 1,
+    def __init__(self, name: str, model_name: str, device: torch.device, make, sharded: bool | str = True, tp: int = 1,
                  float8_ag: bool | None = None, mp: str | None = None):
         self.name = name
         self.model_name = model_name
@@ -255,6 +330,12 @@ def main():
         if args.variants and name not in args.variants:
             continue
         makers[name] = lambda m, o=overrides: fc.compile(m, backend=args.backend, **o)
+    if not args.variants or "simplefsdp" in args.variants:
+        why = ("--tp and --float8 runs leave it out" if args.tp > 1 or args.float8 else simple_fsdp_missing())
+        if why:
+            skipped["simplefsdp"] = why
+        else:
+            makers["simplefsdp"] = lambda m: compile_simple_fsdp(m, args.model, args.backend)
     if args.tp > 1 and not args.variants:
         # measured alone (--variants torch.compile): torch 2.13's Inductor fails on this FSDP2 + TP model
         # ("Please convert all Tensors to FakeTensors first", aten.equal), and the state it leaves behind
@@ -262,7 +343,8 @@ def main():
         makers.pop("torch.compile")
         skipped["torch.compile"] = ("fails to compile FSDP2 + TP in torch 2.13 (BackendCompilerFailed); run it alone "
                                     "with --variants torch.compile")
-    variants = [Variant(name, args.model, device, make, sharded=name != "compute-only", tp=args.tp,
+    shard_with = {"compute-only": False, "simplefsdp": "simplefsdp"}
+    variants = [Variant(name, args.model, device, make, sharded=shard_with.get(name, True), tp=args.tp,
                         float8_ag=float8_ag.get(name), mp=args.mp) for name, make in makers.items()]
     say(f"compiled_vs_eager: '{args.model}', {world} ranks ({dist.get_backend()}), backend={args.backend}, "
         f"batch {args.batch} x {args.seq}" + (f", FSDP {world // args.tp} x TP {args.tp}" if args.tp > 1 else "")
@@ -332,7 +414,8 @@ def main():
             "all_gathers": graph["all_gathers"] if graph else None,
             "reduce_scatters": graph["reduce_scatters"] if graph else None,
             # FSDP's collectives, full buffers: torch.distributed calls (eager hooks) plus in-graph collectives
-            "collective_bytes_per_step": v.eager_bytes + (graph["bytes"] if graph else 0),
+            # (None for SimpleFSDP: its collectives are in graphs we do not capture)
+            "collective_bytes_per_step": None if v.name == "simplefsdp" else v.eager_bytes + (graph["bytes"] if graph else 0),
             "peak_bytes": v.peak_bytes,
             "final_loss": v.loss,
             "final_loss_delta_vs_eager": abs(v.loss - eager.loss),
@@ -345,18 +428,21 @@ def main():
         say(
             f"| {name} | {r['median_step_s'] * 1e3:.1f} | {r['p10_step_s'] * 1e3:.1f}-{r['p90_step_s'] * 1e3:.1f} | "
             f"{r['ratio_vs_eager']:.2f}x | {'-' if r['predicted_step_ms'] is None else format(r['predicted_step_ms'], '.1f')} | {r['first_step_s']:.1f} | {r['eager_c10d_calls_per_step']} | {graph} | "
-            f"{r['collective_bytes_per_step'] / 1e6:.3f} | "
+            f"{'-' if r['collective_bytes_per_step'] is None else format(r['collective_bytes_per_step'] / 1e6, '.3f')} | "
             f"{r['peak_bytes'] / 2**20:.1f} | {r['final_loss']:.5f} ({r['final_loss_delta_vs_eager']:.1e}) |"
         )
     tc, bound = results.get("torch.compile"), results.get("compute-only")
+    peer = results.get("simplefsdp")
     for name, r in results.items():
-        if name.startswith("fc"):
+        if name.startswith("fc") or name == "simplefsdp":
             say(
                 f"{name}: {r['ratio_vs_eager']:.2f}x eager"
                 + (f", {r['median_step_s'] / bound['median_step_s']:.2f}x the compute-only bound" if bound else "")
                 + (f", {r['median_step_s'] / tc['median_step_s']:.2f}x torch.compile step time" if tc else "")
                 + f"; peak {r['peak_bytes'] / results['eager']['peak_bytes']:.2f}x eager's"
                 + (f"; first step {r['first_step_s'] / tc['first_step_s']:.2f}x torch.compile's" if tc else "")
+                + (f"; {r['median_step_s'] / peer['median_step_s']:.2f}x SimpleFSDP's step"
+                   if peer and name != "simplefsdp" else "")
             )
     for base_name in ("eager", "fc") if args.float8 else ():
         r, base_r = results.get(f"{base_name}:float8-ag"), results.get(base_name)
