@@ -64,27 +64,14 @@ def resource_usage(cubin: bytes) -> dict:
 def kernels(arch: int) -> dict:
     import torch
     import triton
-    from triton.backends.compiler import GPUTarget
 
     from fsdp_compile import _layout as L
     from fsdp_compile.kernels import _common as C
     from fsdp_compile.kernels import _all_gather_copy_in as agi, _all_gather_copy_out as ago
     from fsdp_compile.kernels import _reduce_scatter_copy_in as rsi, _reduce_scatter_copy_out as rso
+    from pretend_cuda import stub_triton_driver
 
     assert not C.interpreting(), "run without TRITON_INTERPRET: the kernels must be JITFunctions"
-
-    class StubDriver:  # what JITFunction.warmup asks of a driver
-        def get_current_target(self):
-            return GPUTarget("cuda", arch, 32)
-
-        def get_current_device(self):
-            return 0
-
-        def get_current_stream(self, device=None):
-            return 0
-
-        def get_active_torch_device(self):
-            return torch.device("cpu")
 
     binaries: dict[str, dict] = {}
     launches, pair, pairs = 0, None, set()
@@ -106,7 +93,7 @@ def kernels(arch: int) -> dict:
     C.launch = compile_instead
     C.block_size = lambda domains, device: real_block(domains, gpu)
     previous = triton.runtime.driver._active
-    triton.runtime.driver.set_active(StubDriver())
+    triton.runtime.driver.set_active(stub_triton_driver(arch))  # what JITFunction.warmup asks of a driver
     t = time.perf_counter()
     shapes = [(1000, 64), (7,), (33, 3, 5)]  # uneven rows: padding on the last ranks, and a rank with none
     try:
