@@ -17,6 +17,7 @@ import datetime
 import os
 import queue
 import tempfile
+import time
 import traceback
 
 import torch
@@ -76,34 +77,41 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 300.0, pg_timeout: fl
         ]
         for p in procs:
             p.start()
-        outs: dict[int, object] = {}
-        try:
-            import time
+        return collect(procs, results, f"{fn.__name__} on {world_size} ranks", timeout, outcomes)
 
-            deadline = time.monotonic() + timeout
-            while len(outs) < world_size:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise TimeoutError(f"{fn.__name__} on {world_size} ranks did not finish in {timeout:.0f} s")
-                try:
-                    rank, status, payload = results.get(timeout=min(remaining, 1.0))
-                except queue.Empty:
-                    dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in outs]
-                    if dead and not outcomes:
-                        raise RankFailure(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}")
-                    for i in dead:
-                        outs[i] = ("died", procs[i].exitcode)
-                    continue
-                if status == "error" and not outcomes:
-                    raise RankFailure(f"rank {rank} failed:\n{payload}")
-                outs[rank] = (status, payload) if outcomes else payload
-        finally:
-            for p in procs:
+
+def collect(procs, results, what: str, timeout: float, outcomes: bool = False) -> list:
+    """The ranks' ``(rank, status, payload)`` reports from ``results``, once every started process in
+    ``procs`` (rank r at index r) has reported, within ``timeout`` seconds: their payloads, one per rank,
+    or with ``outcomes`` each rank's ``(status, payload)`` / ``("died", exitcode)``; else the first failing
+    or dying rank raises ``RankFailure``. Every process is joined, or killed, before it returns."""
+    world_size = len(procs)
+    outs: dict[int, object] = {}
+    try:
+        deadline = time.monotonic() + timeout
+        while len(outs) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"{what} did not finish in {timeout:.0f} s")
+            try:
+                rank, status, payload = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in outs]
+                if dead and not outcomes:
+                    raise RankFailure(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}")
+                for i in dead:
+                    outs[i] = ("died", procs[i].exitcode)
+                continue
+            if status == "error" and not outcomes:
+                raise RankFailure(f"rank {rank} failed:\n{payload}")
+            outs[rank] = (status, payload) if outcomes else payload
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
                 p.join(timeout=5)
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-                    p.join(timeout=5)
     return [outs[r] for r in range(world_size)]
 
 

@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import datetime
 import os
-import queue
 import tempfile
-import time
 import traceback
 
 import pytest
@@ -32,6 +30,7 @@ import torch.distributed as dist
 
 from fsdp_compile import kernels as K
 from fsdp_compile.kernels import _common as C
+from dist_helpers import collect
 from parity import Case
 from test_kernels import (
     DTYPES, SHAPES, _unshard_reshard, assert_bitwise, params, spec_copy_in, spec_copy_out, spec_rs_copy_in,
@@ -192,7 +191,8 @@ def test_inductor_runs_the_triton_ops_on_cuda(cuda_triton):
 # (b), (c) The compiled step over NCCL against eager FSDP2.
 #
 # tests/dist_helpers.run_ranks is gloo only (and forks its ranks, which CUDA forbids once initialized), so
-# the NCCL ranks are spawned here, the same way: a FileStore, bounded waits, the first failure re-raised.
+# the NCCL ranks are spawned here, the same way (a FileStore, bounded waits), and collected by its
+# dist_helpers.collect: the first failure re-raised.
 
 BITWISE = [
     Case(),  # fp32, one FSDP group per block, FSDP2's own collective order
@@ -231,30 +231,7 @@ def run_nccl_ranks(fn, world_size: int, *args, timeout: float = 900.0):
                  for r in range(world_size)]
         for p in procs:
             p.start()
-        outs = {}
-        try:
-            deadline = time.monotonic() + timeout
-            while len(outs) < world_size:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{fn.__name__} on {world_size} NCCL ranks did not finish in {timeout:.0f} s")
-                try:
-                    rank, status, payload = results.get(timeout=1.0)
-                except queue.Empty:
-                    dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in outs]
-                    if dead:
-                        raise AssertionError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}") from None
-                    continue
-                if status == "error":
-                    raise AssertionError(f"rank {rank} failed:\n{payload}")
-                outs[rank] = payload
-        finally:
-            for p in procs:
-                p.join(timeout=5)
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-                    p.join(timeout=5)
-    return [outs[r] for r in range(world_size)]
+        return collect(procs, results, f"{fn.__name__} on {world_size} NCCL ranks", timeout)
 
 
 def nccl_worker(rank, world_size, cases):
