@@ -165,21 +165,27 @@ def bench_cpu(args) -> list[dict]:
                 t = H.medians_s(fns, args.repeats, args.warmup)
                 copy_bytes = elems * (src_dt.itemsize + dst_dt.itemsize)
                 row = {"workload": wname, "kernel": kernel, "dtypes": f"{_short(param_dtype)}->{_short(comm_dtype)}", "bytes": nbytes}
-                for k, sec in t.items():
-                    row[f"{k}_ms"] = sec * 1e3
-                    row[f"{k}_GBps"] = (copy_bytes if "copy" in k else nbytes) / sec / 1e9
-                # Like for like: functional (allocating) vs empty + copy_; out= vs copy_ into a preallocated
-                # buffer; FSDP2 as it runs (allocating) vs ours functional; preallocated vs preallocated.
-                row["ours_vs_alloc_copy"] = row["ours_GBps"] / row["alloc_copy_GBps"]
-                if "ours_out" in t:
-                    row["ours_out_vs_copy"] = row["ours_out_GBps"] / row["copy_GBps"]
-                if "fsdp" in t:
-                    row["fsdp_time_over_ours"] = row["fsdp_ms"] / row["ours_ms"]
-                if "fsdp_out" in t:
-                    row["fsdp_out_time_over_ours_out"] = row["fsdp_out_ms"] / row["ours_out_ms"]
+                _rates(row, t, copy_bytes, nbytes, "ours")
                 rows.append(row)
                 print(_fmt(row), flush=True)
     return rows
+
+
+def _rates(row: dict, t: dict, copy_bytes: int, nbytes: int, ours: str) -> None:
+    """Into ``row``: each method's ms and GB/s (copies move ``copy_bytes``, the rest ``nbytes``), then the
+    like-for-like ratios of ``ours`` (the method under test): functional (allocating) vs empty + copy_;
+    out= vs copy_ into a preallocated buffer; FSDP2's ops as eager runs them (allocating) vs ours
+    functional; preallocated vs preallocated (time ratios)."""
+    for k, sec in t.items():
+        row[f"{k}_ms"] = sec * 1e3
+        row[f"{k}_GBps"] = (copy_bytes if "copy" in k else nbytes) / sec / 1e9
+    row[f"{ours}_vs_alloc_copy"] = row[f"{ours}_GBps"] / row["alloc_copy_GBps"]
+    if f"{ours}_out" in t:
+        row[f"{ours}_out_vs_copy"] = row[f"{ours}_out_GBps"] / row["copy_GBps"]
+    if "fsdp" in t:
+        row[f"fsdp_time_over_{ours}"] = row["fsdp_ms"] / row[f"{ours}_ms"]
+    if "fsdp_out" in t:
+        row[f"fsdp_out_time_over_{ours}_out"] = row["fsdp_out_ms"] / row[f"{ours}_out_ms"]
 
 
 def _short(dtype: torch.dtype) -> str:
@@ -290,20 +296,9 @@ def bench_cuda(args) -> list[dict] | str:
                 copy_bytes = elems * (src_dt.itemsize + dst_dt.itemsize)
                 row = {"workload": wname, "kernel": kernel, "dtypes": f"{_short(param_dtype)}->{_short(comm_dtype)}",
                        "bytes": nbytes, "d2d_GBps": d2d_GBps}
-                for k, sec in t.items():
-                    row[f"{k}_ms"] = sec * 1e3
-                    row[f"{k}_wall_ms"] = wall[k] * 1e3
-                    row[f"{k}_GBps"] = (copy_bytes if "copy" in k else nbytes) / sec / 1e9
+                _rates(row, t, copy_bytes, nbytes, "triton")
+                row.update({f"{k}_wall_ms": wall[k] * 1e3 for k in t})
                 row["triton_vs_d2d"] = row["triton_GBps"] / d2d_GBps
-                # like for like, as on CPU: functional vs empty + copy_; out= vs copy_ into a buffer; FSDP2's
-                # ops as eager runs them vs ours functional; preallocated vs preallocated (time ratios)
-                row["triton_vs_alloc_copy"] = row["triton_GBps"] / row["alloc_copy_GBps"]
-                if "triton_out" in t:
-                    row["triton_out_vs_copy"] = row["triton_out_GBps"] / row["copy_GBps"]
-                if "fsdp" in t:
-                    row["fsdp_time_over_triton"] = row["fsdp_ms"] / row["triton_ms"]
-                if "fsdp_out" in t:
-                    row["fsdp_out_time_over_triton_out"] = row["fsdp_out_ms"] / row["triton_out_ms"]
                 before = C.LAUNCHES[kernel]
                 methods["triton"]()
                 row["triton_launches"] = C.LAUNCHES[kernel] - before
