@@ -157,6 +157,24 @@ def compile_simple_fsdp(model: torch.nn.Module, model_name: str, backend: str):
     return torch.compile(model, fullgraph=True, backend="inductor", options=options)
 
 
+# The variants, in the order they run (each its own model; the module docstring says what each is)
+VARIANTS = ["eager", "torch.compile", "compute-only", "fc", "fc:fsdp_group", "fc:no-regions", "simplefsdp"]
+FLOAT8_VARIANTS = ["eager", "eager:float8-ag", "torch.compile", "compute-only", "fc", "fc:no-regions", "fc:float8-ag"]
+FC_OVERRIDES = {"fc:fsdp_group": dict(bucket="fsdp_group", reorder=False), "fc:no-regions": dict(regions=False)}
+SHARD_WITH = {"compute-only": False, "simplefsdp": "simplefsdp"}  # build()'s ``sharded`` (default: fully_shard)
+
+
+def make_variant(name: str, model_name: str, backend: str):
+    """What turns the model ``build`` made for variant ``name`` into the callable it trains."""
+    if name.startswith("eager"):
+        return lambda m: m
+    if name in ("torch.compile", "compute-only"):
+        return lambda m: torch.compile(m, backend=backend)
+    if name == "simplefsdp":
+        return lambda m: compile_simple_fsdp(m, model_name, backend)
+    return lambda m: fc.compile(m, backend=backend, **FC_OVERRIDES.get(name, {}))
+
+
 def build(model_name: str, device: torch.device, sharded: bool | str = True, tp: int = 1, float8_ag: bool | None = None,
           mp: str | None = None):
     """``sharded``: True, torch's fully_shard per block and at the root; False, not sharded; "simplefsdp",
@@ -308,34 +326,17 @@ def main():
     device, rank, world, say = H.init_ranks(timeout_s=900)
     vocab = HF_VOCAB if args.model == "hf-llama" else MODEL_SIZES[args.model].vocab
 
-    makers = {
-        "eager": lambda m: m,
-        "torch.compile": lambda m: torch.compile(m, backend=args.backend),
-        "compute-only": lambda m: torch.compile(m, backend=args.backend),
-    }
-    fc_variants = {
-        "fc": dict(),
-        "fc:fsdp_group": dict(bucket="fsdp_group", reorder=False),
-        "fc:no-regions": dict(regions=False),
-    }
-    float8_ag = {}  # per variant with --float8: whether its float8 weights are all-gathered as float8
-    if args.float8:
-        makers = {"eager": makers["eager"], "eager:float8-ag": makers["eager"], "torch.compile": makers["torch.compile"],
-                  "compute-only": makers["compute-only"]}
-        fc_variants = {"fc": dict(), "fc:no-regions": dict(regions=False), "fc:float8-ag": dict()}
-        float8_ag = {name: name.endswith(":float8-ag") for name in [*makers, *fc_variants]}
-    makers = {k: f for k, f in makers.items() if k == "eager" or not args.variants or k in args.variants}
+    names = FLOAT8_VARIANTS if args.float8 else VARIANTS
+    # per variant with --float8: whether its float8 weights are all-gathered as float8
+    float8_ag = {name: name.endswith(":float8-ag") for name in names} if args.float8 else {}
+    names = [n for n in names if n == "eager" or not args.variants or n in args.variants]
     skipped: dict[str, str] = {}
-    for name, overrides in fc_variants.items():
-        if args.variants and name not in args.variants:
-            continue
-        makers[name] = lambda m, o=overrides: fc.compile(m, backend=args.backend, **o)
     if not args.variants or "simplefsdp" in args.variants:
         why = ("--tp and --float8 runs leave it out" if args.tp > 1 or args.float8 else simple_fsdp_missing())
         if why:
             skipped["simplefsdp"] = why
-        else:
-            makers["simplefsdp"] = lambda m: compile_simple_fsdp(m, args.model, args.backend)
+            names = [n for n in names if n != "simplefsdp"]
+    makers = {name: make_variant(name, args.model, args.backend) for name in names}
     if args.tp > 1 and not args.variants:
         # measured alone (--variants torch.compile): torch 2.13's Inductor fails on this FSDP2 + TP model
         # ("Please convert all Tensors to FakeTensors first", aten.equal), and the state it leaves behind
@@ -343,8 +344,7 @@ def main():
         makers.pop("torch.compile")
         skipped["torch.compile"] = ("fails to compile FSDP2 + TP in torch 2.13 (BackendCompilerFailed); run it alone "
                                     "with --variants torch.compile")
-    shard_with = {"compute-only": False, "simplefsdp": "simplefsdp"}
-    variants = [Variant(name, args.model, device, make, sharded=shard_with.get(name, True), tp=args.tp,
+    variants = [Variant(name, args.model, device, make, sharded=SHARD_WITH.get(name, True), tp=args.tp,
                         float8_ag=float8_ag.get(name), mp=args.mp) for name, make in makers.items()]
     say(f"compiled_vs_eager: '{args.model}', {world} ranks ({dist.get_backend()}), backend={args.backend}, "
         f"batch {args.batch} x {args.seq}" + (f", FSDP {world // args.tp} x TP {args.tp}" if args.tp > 1 else "")

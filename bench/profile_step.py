@@ -54,7 +54,6 @@ from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E
 
 import _harness as H  # noqa: E402
 
-import fsdp_compile as fc  # noqa: E402
 from fsdp_compile import _api, backend  # noqa: E402
 
 BUCKETS = ("matmul", "attention", "fused kernels", "copy-in/copy-out", "collective launch", "collective wait",
@@ -211,12 +210,12 @@ PHASES = (
 )
 
 
-def compile_phases(metrics_delta: dict, ours_s: float, first_s: float) -> dict:
-    """Seconds per phase of the first step (``PHASES``), plus the first step itself."""
-    m = {k: sum(v) for k, v in metrics_delta.items()}
+def compile_phases(timers: dict, ours_s: float, first_s: float) -> dict:
+    """Seconds per phase of the first step (``PHASES``, from ``timers``: seconds per compile timer), plus
+    the first step itself."""
     phases = {"first step": first_s}
     for label, keys in PHASES:
-        phases[label] = ours_s if not keys else sum(m.get(k, 0.0) for k in keys)
+        phases[label] = ours_s if not keys else sum(timers.get(k, 0.0) for k in keys)
     return phases
 
 
@@ -239,17 +238,9 @@ def main():
     torch._inductor.config.profiler_mark_wrapper_call = True
     device, rank, world, say = H.init_ranks(timeout_s=900)
     vocab = CVE.HF_VOCAB if args.model == "hf-llama" else CVE.MODEL_SIZES[args.model].vocab
-    makers = {
-        "eager": (lambda m: m, True),
-        "torch.compile": (lambda m: torch.compile(m, backend=args.backend), True),
-        "compute-only": (lambda m: torch.compile(m, backend=args.backend), False),
-        "fc": (lambda m: fc.compile(m, backend=args.backend), True),
-        "fc:no-regions": (lambda m: fc.compile(m, backend=args.backend, regions=False), True),
-        "simplefsdp": (lambda m: CVE.compile_simple_fsdp(m, args.model, args.backend), "simplefsdp"),
-    }
-    unknown = set(args.variants) - set(makers)
+    unknown = set(args.variants) - set(CVE.VARIANTS)
     if unknown:
-        ap.error(f"unknown variants {sorted(unknown)}; choose from {sorted(makers)}")
+        ap.error(f"unknown variants {sorted(unknown)}; choose from {CVE.VARIANTS}")
     skipped = {}
     if "simplefsdp" in args.variants and (why := CVE.simple_fsdp_missing()):
         skipped["simplefsdp"] = why
@@ -270,14 +261,14 @@ def main():
     for name in args.variants:
         if name in skipped:
             continue
-        make, sharded = makers[name]
-        v = CVE.Variant(name, args.model, device, make, sharded=sharded)
+        make = CVE.make_variant(name, args.model, args.backend)
+        v = CVE.Variant(name, args.model, device, make, sharded=CVE.SHARD_WITH.get(name, True))
         torch._dynamo.utils.compilation_time_metrics.clear()
         ours = []
         with passes_timer(ours):
             first = run(v, 1)[0]
-        phases = compile_phases(dict(torch._dynamo.utils.compilation_time_metrics), sum(ours), first)
         timers = {k: sum(v) for k, v in torch._dynamo.utils.compilation_time_metrics.items()}
+        phases = compile_phases(timers, sum(ours), first)
         run(v, 2)  # warm-up
         times = run(v, args.steps)
         with fc_marks(), profile(activities=[ProfilerActivity.CPU]) as prof:
