@@ -294,7 +294,7 @@ def _as_dtensor(local: torch.Tensor, spec):
 def unit_params(plan: ShardingPlan, unit: Unit) -> list[ParamPlan]:
     """The parameters one unit gathers, in the order its op takes and returns them."""
     params = [p for fqn in unit.members for p in plan.group(fqn).params]
-    return [p for p in params if p.fqn == unit.param] if unit.param is not None else params
+    return [p for p in params if p.fqn in unit.params] if unit.params is not None else params
 
 
 def unshard_args(plan: ShardingPlan, unit: Unit, index: int, kernels: str, layouts: tuple | None = None) -> UnshardArgs:

@@ -31,7 +31,9 @@ class CompileConfig:
     bucket: Union[BucketMode, tuple[tuple[str, ...], ...]] = "auto"
     """How collectives are grouped into the schedule's units. ``"none"``: one all-gather and one
     reduce-scatter per parameter. ``"fsdp_group"``: one per FSDP module, as eager FSDP2. ``"auto"``: adjacent
-    FSDP modules merged while the cost model predicts a faster step within the memory budget. Or an
+    FSDP modules merged while the cost model predicts a faster step within the memory budget, and the root
+    gathered in two parts where that is faster: its leading parameters (an embedding) where it starts, its
+    head (final norm, output) after the blocks, whose reduce-scatter then overlaps the blocks' backward. Or an
     explicit plan: a sequence of buckets, each a sequence of adjacent FSDP module FQNs."""
 
     bucket_cap_mb: float | None = None

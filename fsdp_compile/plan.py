@@ -120,6 +120,9 @@ class GroupPlan:
     forward_prefetch: tuple[str, ...] = ()  # FSDP2's set_modules_to_forward_prefetch: FQNs gathered at our pre-forward
     backward_prefetch: tuple[str, ...] = ()  # ... set_modules_to_backward_prefetch
     mesh_dims: tuple[str, ...] = ("dp", "replicate")  # the FSDP mesh's names of its shard and replicate dims
+    # a module holding other FSDP modules (the root): its parameters registered before theirs (an embedding),
+    # which its forward uses before them; the rest (a final norm, an output head) it uses after them
+    leading: tuple[str, ...] = ()
 
     @property
     def unsharded_bytes(self) -> int:
@@ -167,6 +170,7 @@ class ShardingPlan:
              "pre_factor": g.pre_factor, "post_factor": g.post_factor, "replicate_size": g.replicate_size,
              "all_reduce_op": g.all_reduce_op, "post_forward_size": g.post_forward_size,
              "forward_prefetch": list(g.forward_prefetch), "backward_prefetch": list(g.backward_prefetch),
+             "leading": list(g.leading),
              "params": [{"fqn": p.fqn, "shape": list(p.full_shape), "dtype": str(p.orig_dtype),
                          "requires_grad": p.requires_grad, "matmul": p.matmul,
                          "parallel": None if p.parallel is None else p.parallel.describe(),
@@ -370,7 +374,21 @@ def read_plan(model: nn.Module) -> ShardingPlan:
         raise ValueError(f"FSDP groups live on different devices {sorted(map(str, devices))}; use one device per rank")
     if not groups:
         raise ValueError("the model's FSDP modules manage no parameters: nothing to shard or compile")
-    return ShardingPlan(tuple(groups), devices.pop())
+    return ShardingPlan(_with_leading(groups, list(canonical.values())), devices.pop())
+
+
+def _with_leading(groups: list[GroupPlan], order: list[str]) -> tuple[GroupPlan, ...]:
+    """``groups`` with ``leading`` set on those that hold other FSDP modules: their parameters that come
+    before every parameter of those modules in ``order`` (``model.named_parameters()``)."""
+    position = {fqn: i for i, fqn in enumerate(order)}
+    out = []
+    for g in groups:
+        prefix = g.fqn + "." if g.fqn else ""
+        inner = [position[p.fqn] for h in groups if h.fqn != g.fqn and h.fqn.startswith(prefix) for p in h.params]
+        if inner:
+            g = dataclasses.replace(g, leading=tuple(p.fqn for p in g.params if position[p.fqn] < min(inner)))
+        out.append(g)
+    return tuple(out)
 
 
 def _read_group(fqn: str, layout: _fsdp2.Layout, settings: Settings, canonical: dict, lookup_only: dict) -> GroupPlan:

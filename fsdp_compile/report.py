@@ -79,6 +79,8 @@ class Report:
         units = plan.get("units") or [{}] * len(self.buckets)
         for i, (b, u) in enumerate(zip(self.buckets, units)):
             groups = ", ".join(g or "<root>" for g in b.groups)
+            if u.get("params"):  # one parameter, or one part of a module (the root's embedding, its head)
+                groups += f" ({', '.join(u['params'])})"
             fwd = "-" if u.get("issue_at", i) == i else f"unit {u['issue_at']}"
             bwd = "-" if not u.get("regathers") or u.get("backward_issue_at", i) == i else f"unit {u['backward_issue_at']}"
             sink = f"{u['sink']} later" if u.get("sink") else "-"

@@ -298,7 +298,11 @@ def test_explain_fills_estimates():
         report.schedule["predicted"]["eager_fsdp2"][k]["comm_peak_bytes"] for k in ("forward", "backward")
     )
     assert all(g["comm_budget"] == report.schedule["comm_budget_bytes"] for g in report.graphs)
-    assert sum(len(b.groups) for b in report.buckets) == 5  # every group in exactly one forward bucket
+    # every parameter in exactly one forward bucket; the root's in two (its embedding, its head)
+    params = [p for b in report.buckets for p in b.params]
+    assert len(params) == len(set(params)) == 3 + 4 * 9
+    assert [b.groups for b in report.buckets if "" in b.groups] == [[""], [""]]
+    assert len({g for b in report.buckets for g in b.groups}) == 5
     assert [g["kind"] for g in report.graphs] == ["forward", "backward"]
 
 

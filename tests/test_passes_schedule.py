@@ -21,7 +21,7 @@ from dist_helpers import fake_process_group
 from fsdp_compile.passes.cost_model import CostModel
 from fsdp_compile.passes.planner import eager_fsdp2, plan_schedule
 from fsdp_compile.passes.predict import predict
-from fsdp_compile.passes.schedule import Module, modules_of
+from fsdp_compile.passes.schedule import Module, backward_order, modules_of
 from fsdp_compile.plan import BucketKey, read_plan
 from models import Llama, LlamaArgs, OddMLP, shard
 from passes_helpers import PROFILE
@@ -100,7 +100,11 @@ def test_policies():
 
     assert members("fsdp_group") == [("",), ("layers.0",), ("layers.1",), ("layers.2",), ("layers.3",)]
     per_param = plan_schedule(mods, policy="none", reorder=True, cost_model=cm, workload=64).units
-    assert len(per_param) == 3 + 4 * 9 and all(u.param is not None for u in per_param)
+    assert len(per_param) == 3 + 4 * 9 and all(len(u.params) == 1 for u in per_param)
+    # the root's embedding where it starts, its head (final norm, output) where it runs: after the blocks
+    assert [u.params for u in per_param if u.members == ("",)] == [("tok_embeddings.weight",), ("norm.weight",), ("output.weight",)]
+    assert [per_param.index(u) for u in per_param if u.members == ("",)] == [0, 37, 38]
+    assert [per_param[i].params for i in backward_order(per_param)[:2]] == [("norm.weight",), ("output.weight",)]
     assert members([["layers.0", "layers.1"], ["layers.3"]]) == [("",), ("layers.0", "layers.1"), ("layers.2",), ("layers.3",)]
     # the root keeps fully_shard's default of not resharding, the blocks reshard: one all-gather cannot do both
     with pytest.raises(ValueError, match=r"bucket \['', 'layers.0'\] mixes .* differ in reshard_after_forward \(False vs True\); split it"):
@@ -122,6 +126,39 @@ def test_policies():
     bf16 = [dataclasses.replace(m, key=m.key._replace(param_dtype=torch.bfloat16)) if m.fqn == "layers.1" else m for m in mods]
     with pytest.raises(ValueError, match=r"differ in param_dtype \(None vs torch.bfloat16\)"):
         plan_schedule(bf16, policy=[["layers.0", "layers.1"]], reorder=True, cost_model=cm, workload=64)
+
+
+def test_auto_gathers_the_root_in_two_parts():
+    """The root R holds an embedding E (used first; no FLOPs) and a head H (used last), 1 MB each, and one
+    block M; the hand-checked program's costs (module docstring), the root kept unsharded (FSDP2's default).
+    Gathered whole, R's reduce-scatter (2 MB: 3 ms) waits for E's gradient, the step's last compute::
+
+        backward, R whole:  H (4, hides AG M) M (4) RS M (2) RS R (3)               13 ms
+        backward, R split:  H (4, hides AG M) M (4, hides RS H) RS M (2) RS E (2)   12 ms
+        forward, R whole:   AG R (3) AG M (2) M (2) H (2)                           9 ms
+        forward, R split:   AG E (2) AG M (2) M (2, hides AG H) H (2)               8 ms
+
+    Without reordering nothing hides the extra reduce-scatter, so the root stays whole; over 1024 ranks
+    across nodes, where a collective is mostly latency, too."""
+    root = module("", params=("E", "H"), param_bytes=(MB, MB), reduce_bytes=(MB, MB), flops_per_token=(0, 2_000_000),
+                  holds_children=True, leading=("E",), reshard_after_forward=False, key=KEY._replace(reshard_after_forward=False))
+    mods, cm = [root, module("m")], CostModel(PROFILE)
+    split = plan_schedule(mods, policy="auto", reorder=True, cost_model=cm, workload=1000)
+    assert [(u.members, u.params, u.tail) for u in split.units] == [(("",), ("E",), False), (("m",), None, False), (("",), ("H",), True)]
+    assert split.backward_order() == [2, 1, 0]
+    assert steps(split.predicted["planned"]) == pytest.approx((8 * MS, 4 * MS, 12 * MS, 4 * MS))
+    whole = plan_schedule(mods, policy="fsdp_group", reorder=True, cost_model=cm, workload=1000)
+    assert steps(whole.predicted["planned"]) == pytest.approx((9 * MS, 5 * MS, 13 * MS, 5 * MS))
+    assert [u.params for u in plan_schedule(mods, policy="auto", reorder=False, cost_model=cm, workload=1000).units] == [None, None]
+    # FSDP2's prefetch lists name whole modules: a root in one is gathered whole
+    listed = [dataclasses.replace(root, forward_prefetch=("m",)), module("m")]
+    assert [u.params for u in plan_schedule(listed, policy="auto", reorder=True, cost_model=cm, workload=1000).units] == [None, None]
+    # the Llama, from its sharding plan: the embedding is the root's leading parameter
+    llama = plan_schedule(_llama_modules(8), policy="auto", reorder=True, cost_model=CostModel("h100-nvlink"), workload=64)
+    assert [(u.params, u.tail) for u in llama.units if u.members == ("",)] == [
+        (("tok_embeddings.weight",), False), (("norm.weight", "output.weight"), True)]
+    wide = plan_schedule(_llama_modules(1024), policy="auto", reorder=True, cost_model=CostModel("h100-ib"), workload=64)
+    assert all(u.params is None for u in wide.units)
 
 
 def test_auto_merges_small_modules_when_latency_dominates():

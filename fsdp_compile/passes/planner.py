@@ -1,5 +1,6 @@
 """Planning a ``Schedule`` (``schedule.py``): the units a bucket policy gives, FSDP2's own prefetch
-settings honored, then (``bucket="auto"``) adjacent modules merged and (``reorder``) each unit's prefetch
+settings honored, then (``bucket="auto"``) the root gathered in two parts (its embedding, its head) where
+that pays, adjacent modules merged, and (``reorder``) each unit's prefetch
 distance and sink depth searched, greedily, on the predicted step time (``predict.py``) within the memory
 budget. Deterministic: equal inputs give equal schedules on every rank.
 """
@@ -18,17 +19,52 @@ PREFETCH_DEPTH = 3  # the furthest ahead (in units) an all-gather is ever issued
 SINK_DEPTH = 2  # the most reduce-scatters issued before an earlier one is waited for
 
 
-def _unit(members: Sequence[Module], param: str | None = None) -> Unit:
+def _unit(members: Sequence[Module], params: tuple[str, ...] | None = None, tail: bool | None = None) -> Unit:
     ag = rs = 0
     for m in members:
         for name, a, r in zip(m.params, m.param_bytes, m.reduce_bytes):
-            if param is None or name == param:
+            if params is None or name in params:
                 ag, rs = ag + a, rs + r
     return Unit(
-        members=tuple(m.fqn for m in members), param=param, issue_at=-1, backward_issue_at=-1, sink=0,
+        members=tuple(m.fqn for m in members), params=params, issue_at=-1, backward_issue_at=-1, sink=0,
         all_gather_bytes=ag, reduce_scatter_bytes=rs, regathers=members[0].reshard_after_forward,
-        tail=any(m.holds_children for m in members),
+        tail=any(m.holds_children for m in members) if tail is None else tail,
     )
+
+
+def _module_units(modules: Sequence[Module], *, per_param: bool = False, split: frozenset[str] = frozenset()) -> list[Unit]:
+    """One unit per module (per parameter with ``per_param``), in forward order. A module in ``split`` (with
+    ``per_param``, every module that holds others) is gathered in two parts: its leading parameters where it
+    starts, the rest (its head: ``tail``) after its last inner module, where its forward uses them."""
+    out: list[Unit] = []
+    pending: list[tuple[str, list[Unit]]] = []  # (prefix, head units) of the modules we are inside
+    for m in modules:
+        while pending and not m.fqn.startswith(pending[-1][0]):
+            out.extend(pending.pop()[1])
+        if not (m.holds_children and (per_param or m.fqn in split)):
+            out.extend([_unit([m], (p,)) for p in m.params] if per_param else [_unit([m])])
+            continue
+        lead = tuple(p for p in m.params if p in m.leading)
+        head = tuple(p for p in m.params if p not in m.leading)
+        parts = [(p,) for p in lead] if per_param else [lead]
+        out.extend(_unit([m], part, tail=False) for part in parts if part)
+        parts = [(p,) for p in head] if per_param else [head]
+        pending.append((m.fqn + "." if m.fqn else "", [_unit([m], part, tail=True) for part in parts if part]))
+    while pending:
+        out.extend(pending.pop()[1])
+    return out
+
+
+def _splittable(modules: Sequence[Module]) -> list[str]:
+    """The modules ``bucket="auto"`` may gather in two parts (``_module_units``): those that hold others and
+    use parameters both before and after them, and are not in an FSDP2 prefetch list (whose meaning is the
+    whole module's all-gather)."""
+    named = {f for m in modules for f in (*m.forward_prefetch, *m.backward_prefetch)}
+    return [
+        m.fqn for m in modules
+        if m.holds_children and m.leading and len(m.leading) < len(m.params)
+        and m.fqn not in named and not m.forward_prefetch and not m.backward_prefetch
+    ]
 
 
 def _just_in_time(units: Sequence[Unit]) -> list[Unit]:
@@ -116,9 +152,9 @@ def plan_schedule(
     budget = memory_budget_bytes if memory_budget_bytes is not None else peak_bytes(eager_pred)
     if isinstance(policy, str):
         if policy == "none":
-            units = [_unit([m], p) for m in modules for p in m.params]
+            units = _module_units(modules, per_param=True)
         elif policy in ("fsdp_group", "auto"):
-            units = [_unit([m]) for m in modules]
+            units = _module_units(modules)
         else:
             raise ValueError(f"bucket policy must be 'none', 'fsdp_group', 'auto' or a list of lists of FQNs, got {policy!r}")
     else:
@@ -141,6 +177,7 @@ def plan_schedule(
     budget = max(budget, peak_bytes(as_placed))  # an explicit bucket plan is honored; the budget bounds the moves
 
     if policy == "auto":
+        units = _split(units, modules, ev, budget, reorder)
         units = _merge(units, ev, budget, bucket_cap_bytes, {m.fqn: m.key for m in modules}, reorder)
     fixed_fwd, fixed_bwd = _apply_fsdp2_prefetch(units, modules)
     if reorder:
@@ -191,13 +228,26 @@ def _apply_fsdp2_prefetch(units: list[Unit], modules: Sequence[Module]) -> tuple
     return fixed_fwd, fixed_bwd
 
 
+def _split(units, modules, ev, budget, reorder) -> list[Unit]:
+    """``bucket="auto"``: gather each splittable module (``_splittable``) in two parts where the predicted
+    step gets faster (with the overlap ``reorder`` would give it) within the memory budget."""
+    split: frozenset[str] = frozenset()
+    for fqn in _splittable(modules):
+        trial = _module_units(modules, split=split | {fqn})
+        before = _best_simple(_just_in_time(units), ev, budget, reorder)
+        after = _best_simple(_just_in_time(trial), ev, budget, reorder)
+        if after is not None and (before is None or step_s(after) < step_s(before)):
+            split, units = split | {fqn}, trial
+    return _just_in_time(units)
+
+
 def _merge(units, ev, budget, cap, key, reorder) -> list[Unit]:
     """``bucket="auto"``: grow each bucket over the next module while the predicted step gets faster (with
     the overlap ``reorder`` would give it), the bucket stays under the cap and memory under the budget."""
     done: list[Unit] = []
     current = units[0]
     for k, nxt in enumerate(units[1:], start=1):
-        if key[current.members[0]] == key[nxt.members[0]] and (
+        if current.params is None and nxt.params is None and key[current.members[0]] == key[nxt.members[0]] and (
             cap is None or current.all_gather_bytes + nxt.all_gather_bytes <= cap
         ):
             merged = dataclasses.replace(

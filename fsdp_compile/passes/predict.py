@@ -97,7 +97,8 @@ def _run_backward(units: Sequence[Unit], c: UnitCosts, overhead: float) -> dict:
             s.alloc(f"ag{i}", u.all_gather_bytes)
     issues = _anchors([u if u.regathers else dataclasses.replace(u, backward_issue_at=-1) for u in units], order,
                       "backward_issue_at")
-    reduced = [i for i in order if not units[i].tail] + [i for i in order if units[i].tail]
+    early = [i for i in order if units[i].tail and not c.late[i]]  # a head apart from its leading parameters
+    reduced = early + [i for i in order if not units[i].tail] + [i for i in order if units[i].tail and c.late[i]]
     reduced = [i for i in reduced if units[i].reduce_scatter_bytes]
     rank = {j: k for k, j in enumerate(reduced)}
     waits_before: dict[int, list[int]] = {}  # reduce-scatter k waits for these earlier ones first
@@ -114,10 +115,17 @@ def _run_backward(units: Sequence[Unit], c: UnitCosts, overhead: float) -> dict:
             s.wait(f"rs{i}")
             s.release(f"rs{i}")
 
+    def head() -> None:  # the head's backward: every tail unit is gathered by now
+        s.compute(c.bwd_head)
+        for i in early:
+            s.release(f"ag{i}")
+            if units[i].reduce_scatter_bytes:
+                reduce_scatter(i)
+
     head_done = False
     for k, i in enumerate(order):
         if not units[i].tail and not head_done:
-            s.compute(c.bwd_head)  # the head's backward: every tail unit is gathered by now
+            head()
             head_done = True
         for j in issues.get(k, []):
             if units[j].regathers:
@@ -131,9 +139,9 @@ def _run_backward(units: Sequence[Unit], c: UnitCosts, overhead: float) -> dict:
         if units[i].reduce_scatter_bytes:
             reduce_scatter(i)
     if not head_done:
-        s.compute(c.bwd_head)
+        head()
     for i in order:
-        if units[i].tail:
+        if units[i].tail and c.late[i]:
             s.release(f"ag{i}")
             if units[i].reduce_scatter_bytes:
                 reduce_scatter(i)

@@ -1,8 +1,11 @@
 """The communication schedule: planned once per compiled model, over FSDP modules, identical on every rank.
 
 A ``Schedule`` is plain data. Its ``units`` are the all-gathers, in forward order: each gathers one or more
-FSDP modules (a bucket), or one parameter (``bucket="none"``), and its backward is one reduce-scatter of
-the same members. Per unit it says
+FSDP modules (a bucket), one parameter (``bucket="none"``), or one part of a module that holds other FSDP
+modules (``bucket="auto"`` may split the root: its leading parameters, an embedding, gathered where it
+starts, and the rest, its head, after its last inner module, so the head's reduce-scatter is issued as soon
+as the head's backward is done instead of after the embedding's, the last compute of the step); its
+backward is one reduce-scatter of the same parameters. Per unit it says
 
 * ``issue_at``: the unit at whose first use in forward this unit's all-gather is issued (itself: just in
   time; an earlier unit: prefetched, overlapping that unit's compute);
@@ -57,6 +60,7 @@ class Module:
     replicate_size: int = 1  # HSDP: its reduce-scatter is followed by an all-reduce over this many replicas
     forward_prefetch: tuple[str, ...] = ()  # FSDP2's set_modules_to_forward_prefetch
     backward_prefetch: tuple[str, ...] = ()  # FSDP2's set_modules_to_backward_prefetch
+    leading: tuple[str, ...] = ()  # holds_children: the parameters its forward uses before its inner modules
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,14 +68,14 @@ class Unit:
     """One all-gather in forward, its re-gather in backward (``regathers``) and its reduce-scatter."""
 
     members: tuple[str, ...]  # FSDP module FQNs, adjacent in forward order
-    param: str | None  # bucket="none": the one parameter this unit gathers; None: all the members' parameters
+    params: tuple[str, ...] | None  # the parameters of its one member it gathers (a parameter, a part); None: all
     issue_at: int  # forward: the unit at whose first use this all-gather is issued (own index: just in time)
     backward_issue_at: int  # backward: the unit at whose backward start it is issued (own index: just in time)
     sink: int  # backward: later reduce-scatters issued before this one is waited for (0: waited at once)
     all_gather_bytes: int
     reduce_scatter_bytes: int  # 0: nothing trainable, no reduce-scatter
     regathers: bool  # reshard_after_forward: gathered again in backward
-    tail: bool  # holds a module that holds other FSDP modules (the root): needed first in backward, reduced last
+    tail: bool  # the head of a module that holds other FSDP modules (the root's): needed first in backward
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +124,6 @@ def modules_of(plan) -> list[Module]:
             world_size=g.world_size, reshard_after_forward=g.reshard_after_forward,
             holds_children=plan.has_fsdp_children(g.fqn), lowp=gather in (torch.bfloat16, torch.float16),
             replicate_size=g.replicate_size,
-            forward_prefetch=g.forward_prefetch, backward_prefetch=g.backward_prefetch,
+            forward_prefetch=g.forward_prefetch, backward_prefetch=g.backward_prefetch, leading=g.leading,
         ))
     return out

@@ -2,8 +2,10 @@
 from the rank-invariant ``Module`` numbers alone (the planner runs before any graph exists).
 
 **The model the plan is made on** (``predict``): the forward runs the units in order, each module's compute after its
-unit's all-gather, except modules that hold other FSDP modules (the root), whose own compute (an output
-head, say) comes last; the backward runs it in reverse, the head first. Compute is estimated from each
+unit's all-gather, except the tail units of modules that hold other FSDP modules (the root), whose compute
+(an output head, say) comes last; the backward runs it in reverse, the head first. A tail unit holding the
+module's leading parameters (an embedding: the root gathered whole) is reduced at the end of the backward,
+where their gradients are done; one without them right after the head's backward. Compute is estimated from each
 module's matrix-product weights (2 FLOPs per weight element per token forward, 4 backward) at the
 profile's matmul rate, plus the profile's per-op overhead for a few ops per parameter; communication by
 the profile's alpha-beta model on the exact bytes. Attention's token-squared work and memory-bound ops
@@ -28,12 +30,13 @@ class UnitCosts:
     bwd: tuple[float, ...]  # per unit: backward compute
     bwd_head: float  # backward compute at the start (the tail's)
     pg: tuple[str, ...]
+    late: tuple[bool, ...]  # per unit: a tail whose reduce-scatter waits for the end (it holds leading parameters)
 
 
 def unit_costs(units: Sequence[Unit], modules: dict[str, Module], cm: CostModel, workload: int) -> UnitCosts:
     """``units``' costs at ``workload`` tokens per step (see the module docstring)."""
     p = cm.profile
-    ag, rs, fwd, bwd, pg = [], [], [], [], []
+    ag, rs, fwd, bwd, pg, late = [], [], [], [], [], []
     tail = head = 0.0
     for u in units:
         ms = [modules[f] for f in u.members]
@@ -43,17 +46,19 @@ def unit_costs(units: Sequence[Unit], modules: dict[str, Module], cm: CostModel,
         if u.reduce_scatter_bytes and ms[0].replicate_size > 1:  # HSDP: then the reduced shard across replicas
             rs[-1] += cm.collective_time("all_reduce", u.reduce_scatter_bytes // ws, ms[0].replicate_size)
         own_f = own_b = 0.0
+        late.append(False)
         for m in ms:
-            idx = range(len(m.params)) if u.param is None else [m.params.index(u.param)]
+            idx = [i for i, name in enumerate(m.params) if u.params is None or name in u.params]
+            late[-1] = late[-1] or (u.tail and any(m.params[i] in m.leading for i in idx))
             flops = workload * sum(m.flops_per_token[i] for i in idx)  # forward; backward: twice (dX and dW)
             rate = p.matmul_flops_lowp if m.lowp else p.matmul_flops_fp32
             f = flops / rate + 4 * len(idx) * p.op_overhead
             b = 2 * flops / rate + 8 * len(idx) * p.op_overhead
-            if m.holds_children:
+            if m.holds_children and u.tail:
                 tail, head = tail + f, head + b
             else:
                 own_f, own_b = own_f + f, own_b + b
         fwd.append(own_f)
         bwd.append(own_b)
         pg.append(ms[0].process_group)
-    return UnitCosts(tuple(ag), tuple(rs), tuple(fwd), tail, tuple(bwd), head, tuple(pg))
+    return UnitCosts(tuple(ag), tuple(rs), tuple(fwd), tail, tuple(bwd), head, tuple(pg), tuple(late))
