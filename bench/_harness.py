@@ -7,6 +7,7 @@ figures are medians with p10/p90 spread. Warm-up (the compile) is timed separate
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -173,3 +174,49 @@ def bar_chart(path: str, names: list[str], values: list[float], errors: list[tup
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True
+
+
+@contextlib.contextmanager
+def passes_timer(acc: list):
+    """Seconds of each call of our passes (``backend.run_passes``), appended to ``acc``."""
+    from fsdp_compile import backend
+
+    run = backend.run_passes
+
+    def timed(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return run(*a, **k)
+        finally:
+            acc.append(time.perf_counter() - t0)
+
+    backend.run_passes = timed
+    try:
+        yield
+    finally:
+        backend.run_passes = run
+
+
+# torch's compile timers (dynamo_timed), inclusive and nested as listed: Dynamo's compile of the frame holds
+# the backend call, which holds AOTAutograd and the forward's Inductor compile; the backward's compile runs
+# at the first backward unless AOTAutograd compiled it eagerly. Shown as they are, not differenced.
+PHASES = (
+    ("Dynamo: the frame (tracing, guards, the backend call)", ("_compile.compile_inner",)),
+    ("  backend call (AOTAutograd + the forward's Inductor compile)", ("OutputGraph.call_user_compiler",)),
+    ("  partitioner", ("min_cut_rematerialization_partition",)),
+    ("backward compile (compile_fx bw_compiler)", ("compile_fx.<locals>.bw_compiler",)),
+    ("Inductor per graph, forward + backward (compile_fx_inner)", ("compile_fx_inner",)),
+    ("  our passes (run_passes, inside Inductor's post-grad passes)", ()),
+    ("  lowering (GraphLowering.run)", ("GraphLowering.run",)),
+    ("  scheduling + code generation", ("Scheduler.__init__", "GraphLowering.codegen")),
+    ("  C++/Triton compile + module load", ("PyCodeCache.load_by_key_path",)),
+)
+
+
+def compile_phases(timers: dict, ours_s: float, first_s: float) -> dict:
+    """Seconds per phase of the first step (``PHASES``, from ``timers``: seconds per compile timer), plus
+    the first step itself."""
+    phases = {"first step": first_s}
+    for label, keys in PHASES:
+        phases[label] = ours_s if not keys else sum(timers.get(k, 0.0) for k in keys)
+    return phases

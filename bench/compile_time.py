@@ -9,7 +9,10 @@ filled (a restart). The figure is the slower rank's first step, compile included
   torch-fsdp      torch.compile on the same fully_shard model (graph breaks at every FSDP hook)
   torch-plain     torch.compile on the same model unsharded (no FSDP, no collectives): the compiler's own cost
 The model is a narrow Llama (hidden 64), so compute is negligible: HF transformers' LlamaForCausalLM when
-installed (``--model hf``), else fsdp_compile.models.Llama. Writes bench/results/compile_time.json and .png.
+installed (``--model hf``), else fsdp_compile.models.Llama. Per variant it also prints the cold first step by
+compile phase (torch's compile timers: Dynamo, AOTAutograd's partitioner, Inductor's lowering, codegen and
+C++ compile; our passes) at every depth, with what one more layer adds to each. Writes
+bench/results/compile_time.json and .png.
 """
 
 from __future__ import annotations
@@ -71,12 +74,20 @@ def _rank(rank: int, store: str, args, out: str) -> None:
         step = torch.compile(model)
     ids = torch.randint(0, 1024, (2, 64), generator=torch.Generator().manual_seed(rank))
     dist.barrier()
+    metrics = torch._dynamo.utils.compilation_time_metrics
+    metrics.clear()
+    ours: list[float] = []
     t0 = time.perf_counter()
-    out_ = step(input_ids=ids, labels=ids).loss if args.model == "hf" else step(ids).float().logsumexp(-1).mean()
-    out_.backward()
+    with H.passes_timer(ours):
+        out_ = step(input_ids=ids, labels=ids).loss if args.model == "hf" else step(ids).float().logsumexp(-1).mean()
+        out_.backward()
     first = time.perf_counter() - t0
     if args.variant == "fc":
         extra = {"planning_s": step.schedule.planning_s, "units": len(step.schedule.units)}
+    timers = {k: sum(v) for k, v in metrics.items()}
+    extra["phases_s"] = H.compile_phases(timers, sum(ours), first)  # this rank's (rank 0's is written)
+    extra["dynamo_frames"] = len(metrics.get("_compile.compile_inner", []))
+    extra["inductor_graphs"] = len(metrics.get("compile_fx_inner", []))
     from torch._dynamo.utils import counters
 
     extra["fx_cache_hits"] = counters["inductor"].get("fxgraph_cache_hit", 0)
@@ -151,9 +162,37 @@ def main() -> None:
             if variant == "fc" and "planning_s" in r["cold"]:
                 planning = f"{r['cold']['planning_s'] * 1e3:.1f}"
         print(f"| {depth} | " + " | ".join(cells) + f" | {planning} |")
+    _phase_table(rows, args)
     H.write_json(os.path.join(args.out, "compile_time.json"), {"machine": H.machine(), "model": args.model, "rows": rows})
     _plot(rows, args, os.path.join(args.out, "compile_time.png"))
     print(f"wrote {args.out}/compile_time.json and .png")
+
+
+def _phase_table(rows, args) -> None:
+    """Per variant, the cold first step by compile phase (``_harness.PHASES``, rank 0's timers) at every
+    depth, and what one more layer adds to each phase (least squares over the depths)."""
+    depths = args.depths
+    for variant in args.variants:
+        got = {r["depth"]: r["cold"] for r in rows if r["variant"] == variant and "phases_s" in r["cold"]}
+        if not got:
+            continue
+        print(f"\n{variant}, cold first step by phase (s; torch's compile timers, inclusive, nested as indented):")
+        print("| phase | " + " | ".join(f"{d} layers" for d in depths) + " | per added layer |")
+        print("|---" * (len(depths) + 2) + "|")
+        labels = list(next(iter(got.values()))["phases_s"])
+        for label in [*labels, "dynamo_frames", "inductor_graphs"]:
+            ys = [(d, got[d]["phases_s"][label] if label in labels else got[d][label]) for d in depths if d in got]
+            slope = _slope(ys)
+            fmt = "{:.0f}" if label in ("dynamo_frames", "inductor_graphs") else "{:.2f}"
+            print(f"| {label} | " + " | ".join(fmt.format(y) for _, y in ys) + f" | {slope:+.3f} |")
+
+
+def _slope(points) -> float:
+    if len(points) < 2:
+        return float("nan")
+    mx = sum(x for x, _ in points) / len(points)
+    my = sum(y for _, y in points) / len(points)
+    return sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
 
 
 def _plot(rows, args, path) -> None:

@@ -6,7 +6,7 @@ bound, on the same model, data and ranks as bench/compiled_vs_eager.py (whose va
 
 Per variant, on rank 0:
 * the first step (the compile), by phase, from torch's own compile timers
-  (``torch._dynamo.utils.compilation_time_metrics``, inclusive and nested: ``PHASES``) and a timer around
+  (``torch._dynamo.utils.compilation_time_metrics``, inclusive and nested: ``_harness.PHASES``) and a timer around
   our passes: Dynamo's frame compile, the backend call, the partitioner, the backward's compile, and per
   Inductor graph its lowering, scheduling and code generation, and C++/Triton compile;
 * a steady step, timed without the profiler (median of ``--steps``), then the same steps under
@@ -54,7 +54,7 @@ from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E
 
 import _harness as H  # noqa: E402
 
-from fsdp_compile import _api, backend  # noqa: E402
+from fsdp_compile import _api  # noqa: E402
 
 BUCKETS = ("matmul", "attention", "fused kernels", "copy-in/copy-out", "collective launch", "collective wait",
            "other aten", "graph wrapper", "fc outside graph", "dynamo guards", "autograd engine", "optimizer",
@@ -176,49 +176,6 @@ def fc_marks():
             setattr(owner, attr, fn)
 
 
-@contextlib.contextmanager
-def passes_timer(acc: list):
-    run = backend.run_passes
-
-    def timed(*a, **k):
-        t0 = time.perf_counter()
-        try:
-            return run(*a, **k)
-        finally:
-            acc.append(time.perf_counter() - t0)
-
-    backend.run_passes = timed
-    try:
-        yield
-    finally:
-        backend.run_passes = run
-
-
-# torch's compile timers (dynamo_timed), inclusive and nested as listed: Dynamo's compile of the frame holds
-# the backend call, which holds AOTAutograd and the forward's Inductor compile; the backward's compile runs
-# at the first backward unless AOTAutograd compiled it eagerly. Shown as they are, not differenced.
-PHASES = (
-    ("Dynamo: the frame (tracing, guards, the backend call)", ("_compile.compile_inner",)),
-    ("  backend call (AOTAutograd + the forward's Inductor compile)", ("OutputGraph.call_user_compiler",)),
-    ("  partitioner", ("min_cut_rematerialization_partition",)),
-    ("backward compile (compile_fx bw_compiler)", ("compile_fx.<locals>.bw_compiler",)),
-    ("Inductor per graph, forward + backward (compile_fx_inner)", ("compile_fx_inner",)),
-    ("  our passes (run_passes, inside Inductor's post-grad passes)", ()),
-    ("  lowering (GraphLowering.run)", ("GraphLowering.run",)),
-    ("  scheduling + code generation", ("Scheduler.__init__", "GraphLowering.codegen")),
-    ("  C++/Triton compile + module load", ("PyCodeCache.load_by_key_path",)),
-)
-
-
-def compile_phases(timers: dict, ours_s: float, first_s: float) -> dict:
-    """Seconds per phase of the first step (``PHASES``, from ``timers``: seconds per compile timer), plus
-    the first step itself."""
-    phases = {"first step": first_s}
-    for label, keys in PHASES:
-        phases[label] = ours_s if not keys else sum(timers.get(k, 0.0) for k in keys)
-    return phases
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="hf-llama", choices=[*sorted(CVE.SIZES), "hf-llama"])
@@ -265,10 +222,10 @@ def main():
         v = CVE.Variant(name, args.model, device, make, sharded=CVE.SHARD_WITH.get(name, True))
         torch._dynamo.utils.compilation_time_metrics.clear()
         ours = []
-        with passes_timer(ours):
+        with H.passes_timer(ours):
             first = run(v, 1)[0]
         timers = {k: sum(v) for k, v in torch._dynamo.utils.compilation_time_metrics.items()}
-        phases = compile_phases(timers, sum(ours), first)
+        phases = H.compile_phases(timers, sum(ours), first)
         run(v, 2)  # warm-up
         times = run(v, args.steps)
         with fc_marks(), profile(activities=[ProfilerActivity.CPU]) as prof:
