@@ -116,7 +116,7 @@ def measure(variant: str, depth: int, model: str, cache_dir: str) -> dict:
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
     lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     if proc.returncode or not lines:
-        return {"error": (proc.stderr or proc.stdout)[-400:]}
+        return {"error": (proc.stderr or proc.stdout)[-4000:]}  # a rank that died: its own report, not only the spawner's
     return json.loads(lines[-1][len("RESULT "):])
 
 
