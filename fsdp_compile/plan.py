@@ -204,8 +204,7 @@ class ShardingPlan:
 
     def has_fsdp_children(self, fqn: str) -> bool:
         """Whether other FSDP modules live inside module ``fqn`` (the root, usually)."""
-        prefix = fqn + "." if fqn else ""
-        return any(g.fqn != fqn and g.fqn.startswith(prefix) for g in self.groups)
+        return any(inside(g.fqn, fqn) for g in self.groups)
 
     def group(self, fqn: str) -> GroupPlan:
         for g in self.groups:
@@ -377,16 +376,21 @@ def read_plan(model: nn.Module) -> ShardingPlan:
     return ShardingPlan(_with_leading(groups, list(canonical.values())), devices.pop())
 
 
+def inside(fqn: str, outer: str) -> bool:
+    """Whether module ``fqn`` lives inside module ``outer`` (and is not ``outer`` itself)."""
+    return fqn != outer and (outer == "" or fqn.startswith(outer + "."))
+
+
 def _with_leading(groups: list[GroupPlan], order: list[str]) -> tuple[GroupPlan, ...]:
     """``groups`` with ``leading`` set on those that hold other FSDP modules: their parameters that come
     before every parameter of those modules in ``order`` (``model.named_parameters()``)."""
     position = {fqn: i for i, fqn in enumerate(order)}
     out = []
     for g in groups:
-        prefix = g.fqn + "." if g.fqn else ""
-        inner = [position[p.fqn] for h in groups if h.fqn != g.fqn and h.fqn.startswith(prefix) for p in h.params]
+        inner = [position[p.fqn] for h in groups if inside(h.fqn, g.fqn) for p in h.params]
         if inner:
-            g = dataclasses.replace(g, leading=tuple(p.fqn for p in g.params if position[p.fqn] < min(inner)))
+            first = min(inner)
+            g = dataclasses.replace(g, leading=tuple(p.fqn for p in g.params if position[p.fqn] < first))
         out.append(g)
     return tuple(out)
 

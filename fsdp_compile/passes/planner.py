@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from fsdp_compile.passes.cost_model import CostModel
 from fsdp_compile.passes.predict import peak_bytes, predict, step_s
 from fsdp_compile.passes.schedule import Module, Schedule, Unit, backward_order
+from fsdp_compile.plan import inside
 
 PREFETCH_DEPTH = 3  # the furthest ahead (in units) an all-gather is ever issued
 SINK_DEPTH = 2  # the most reduce-scatters issued before an earlier one is waited for
@@ -37,9 +38,9 @@ def _module_units(modules: Sequence[Module], *, per_param: bool = False, split: 
     ``per_param``, every module that holds others) is gathered in two parts: its leading parameters where it
     starts, the rest (its head: ``tail``) after its last inner module, where its forward uses them."""
     out: list[Unit] = []
-    pending: list[tuple[str, list[Unit]]] = []  # (prefix, head units) of the modules we are inside
+    pending: list[tuple[str, list[Unit]]] = []  # (FQN, head units) of the modules we are inside
     for m in modules:
-        while pending and not m.fqn.startswith(pending[-1][0]):
+        while pending and not inside(m.fqn, pending[-1][0]):
             out.extend(pending.pop()[1])
         if not (m.holds_children and (per_param or m.fqn in split)):
             out.extend([_unit([m], (p,)) for p in m.params] if per_param else [_unit([m])])
@@ -49,7 +50,7 @@ def _module_units(modules: Sequence[Module], *, per_param: bool = False, split: 
         parts = [(p,) for p in lead] if per_param else [lead]
         out.extend(_unit([m], part, tail=False) for part in parts if part)
         parts = [(p,) for p in head] if per_param else [head]
-        pending.append((m.fqn + "." if m.fqn else "", [_unit([m], part, tail=True) for part in parts if part]))
+        pending.append((m.fqn, [_unit([m], part, tail=True) for part in parts if part]))
     while pending:
         out.extend(pending.pop()[1])
     return out
@@ -232,12 +233,12 @@ def _split(units, modules, ev, budget, reorder) -> list[Unit]:
     """``bucket="auto"``: gather each splittable module (``_splittable``) in two parts where the predicted
     step gets faster (with the overlap ``reorder`` would give it) within the memory budget."""
     split: frozenset[str] = frozenset()
+    best = _best_simple(_just_in_time(units), ev, budget, reorder)
     for fqn in _splittable(modules):
         trial = _module_units(modules, split=split | {fqn})
-        before = _best_simple(_just_in_time(units), ev, budget, reorder)
-        after = _best_simple(_just_in_time(trial), ev, budget, reorder)
-        if after is not None and (before is None or step_s(after) < step_s(before)):
-            split, units = split | {fqn}, trial
+        pred = _best_simple(_just_in_time(trial), ev, budget, reorder)
+        if pred is not None and (best is None or step_s(pred) < step_s(best)):
+            split, units, best = split | {fqn}, trial, pred
     return _just_in_time(units)
 
 
