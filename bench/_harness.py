@@ -213,10 +213,26 @@ PHASES = (
 )
 
 
-def compile_phases(timers: dict, ours_s: float, first_s: float) -> dict:
-    """Seconds per phase of the first step (``PHASES``, from ``timers``: seconds per compile timer), plus
-    the first step itself."""
+@contextlib.contextmanager
+def compile_timing():
+    """Torch's compile timers (``compilation_time_metrics``, cleared first) and our passes over the block:
+    yields a dict filled on exit with ``timers`` (seconds per timer), ``calls`` (calls per timer) and
+    ``passes_s``; ``compile_phases`` turns it into ``PHASES``."""
+    metrics = torch._dynamo.utils.compilation_time_metrics
+    metrics.clear()
+    ours: list[float] = []
+    out: dict = {}
+    with passes_timer(ours):
+        yield out
+    out["timers"] = {k: sum(v) for k, v in metrics.items()}
+    out["calls"] = {k: len(v) for k, v in metrics.items()}
+    out["passes_s"] = sum(ours)
+
+
+def compile_phases(timing: dict, first_s: float) -> dict:
+    """Seconds per phase of the first step (``PHASES``, from a ``compile_timing`` record), plus the first
+    step itself."""
     phases = {"first step": first_s}
     for label, keys in PHASES:
-        phases[label] = ours_s if not keys else sum(timers.get(k, 0.0) for k in keys)
+        phases[label] = timing["passes_s"] if not keys else sum(timing["timers"].get(k, 0.0) for k in keys)
     return phases

@@ -220,12 +220,9 @@ def main():
             continue
         make = CVE.make_variant(name, args.model, args.backend)
         v = CVE.Variant(name, args.model, device, make, sharded=CVE.SHARD_WITH.get(name, True))
-        torch._dynamo.utils.compilation_time_metrics.clear()
-        ours = []
-        with H.passes_timer(ours):
+        with H.compile_timing() as timing:
             first = run(v, 1)[0]
-        timers = {k: sum(v) for k, v in torch._dynamo.utils.compilation_time_metrics.items()}
-        phases = H.compile_phases(timers, sum(ours), first)
+        phases = H.compile_phases(timing, first)
         run(v, 2)  # warm-up
         times = run(v, args.steps)
         with fc_marks(), profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -234,7 +231,7 @@ def main():
             wall = time.perf_counter() - t0
         ms, top = attribute(prof, args.steps, wall)
         waits = waits_in_order(prof, args.steps)
-        results[name] = {"first_step_phases_s": phases, "compile_timers_s": timers, "median_step_s": H.summarize(times)["median_step_s"],
+        results[name] = {"first_step_phases_s": phases, "compile_timers_s": timing["timers"], "median_step_s": H.summarize(times)["median_step_s"],
                          "profiled_step_ms": wall * 1e3 / args.steps, "buckets_ms": ms, "top_events": top,
                          "waits_in_order": waits,
                          "final_loss": v.loss}
