@@ -56,8 +56,11 @@ def _rank(rank: int, store: str, args, out: str) -> None:
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
+    import fsdp_compile as fc
+
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
+    fc.single_thread_gloo()  # torch's gloo races between its worker threads (fsdp_compile/_gloo.py)
     dist.init_process_group("gloo", store=dist.FileStore(store, W), rank=rank, world_size=W,
                             timeout=datetime.timedelta(seconds=900))
     model, blocks = build(args.model, args.depth)
@@ -67,8 +70,6 @@ def _rank(rank: int, store: str, args, out: str) -> None:
             fully_shard(b)
         fully_shard(model)
     if args.variant == "fc":
-        import fsdp_compile as fc
-
         step = fc.compile(model)
     else:
         step = torch.compile(model)

@@ -64,6 +64,7 @@ def main():
     if "RANK" not in os.environ:
         parser.error("launch with torchrun, e.g.: torchrun --nproc-per-node 2 examples/demo.py")
     torch.set_num_threads(1)
+    fc.single_thread_gloo()  # torch's gloo races between its worker threads (fsdp_compile/_gloo.py)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
     rank, world = dist.get_rank(), dist.get_world_size()
     vocab = SIZES[args.size].vocab

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from fsdp_compile import _extensions, _fsdp2, capture
 from fsdp_compile._agree import agree_max
+from fsdp_compile._gloo import warn_if_racy_gloo
 from fsdp_compile.backend import CapturedGraphs, make_backend
 from fsdp_compile.config import CompileConfig
 from fsdp_compile.debug.dump import make_dump_dir
@@ -386,6 +387,10 @@ def _prepare(model: nn.Module, config: CompileConfig | None, overrides: dict) ->
     plan = read_plan(model)
     _check_against_plan(config, plan)
     check_ranks_agree(plan, config.agreement_items())
+    if dist.is_initialized() and dist.get_backend() != "fake":
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        warn_if_racy_gloo([_resolve_process_group(n) for n in plan.process_group_names()])
     return config, plan
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import faulthandler
 import os
 import queue
 import tempfile
@@ -24,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import fsdp_compile as fc
 from fsdp_compile._dtensor import forget_meshes
 
 
@@ -47,7 +49,11 @@ def _worker(rank, world_size, store_path, pg_timeout, fn, args, results, env):
         os.environ.clear()
         os.environ.update(env)
         os.environ["GLOO_SOCKET_IFNAME"] = os.environ.get("GLOO_SOCKET_IFNAME", "lo")
+        # a rank killed by a signal (SIGABRT from the allocator, SIGSEGV) prints every thread's Python stack
+        # to its stderr, which pytest shows under the failing fixture
+        faulthandler.enable(all_threads=True)
         torch.set_num_threads(1)
+        fc.single_thread_gloo()  # torch's gloo races between its worker threads (fsdp_compile/_gloo.py)
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group(
             "gloo", store=store, rank=rank, world_size=world_size,

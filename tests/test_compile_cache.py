@@ -30,6 +30,7 @@ mode = mode.split(",")[rank]
 if mode == "load":
     with open(artifacts, "rb") as f:
         torch.compiler.load_cache_artifacts(f.read())
+fc.single_thread_gloo()
 dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=world_size)
 case = Case(n_layers=2)  # the tests' Llama, fully_shard per block and at the root
 m, ref = build(case), build(case)  # ref: eager FSDP2, the oracle

@@ -1,0 +1,108 @@
+"""Gloo process groups with one worker thread, and the warning for groups with more.
+
+torch's ``ProcessGroupGloo`` (2.13; the same code in 2.14) runs collectives on ``threads`` worker threads
+(2 for groups made by ``init_process_group`` and ``new_group``). After each collective, the worker thread
+writes the group's status, ``pgStatus_->lastCompletedWorkName`` (a ``std::string``), outside the group's
+lock (``ProcessGroupGloo::runLoop``). When two collectives of one group finish at the same moment, both
+threads assign the string and both free its old buffer: a double free, which glibc reports later as
+``malloc(): unaligned tcache chunk detected`` (SIGABRT) or a crash elsewhere. AddressSanitizer names it:
+"attempting double-free ... in thread T4 ... freed by thread T3 ... in c10d::ProcessGroupGloo::runLoop".
+A compiled step keeps collectives in flight together (an all-gather prefetched while a reduce-scatter
+runs), which makes this likelier than in eager FSDP2, where it can happen too. With one worker thread,
+only that thread writes the status, so the race cannot happen.
+
+``single_thread_gloo()`` makes the gloo groups created after it (``init_process_group``, ``new_group``,
+``DeviceMesh``) use one worker thread. Collectives of one group then run one after another, as they finish
+anyway on a machine whose cores the ranks' compute already uses; collectives of different groups still run
+at once. NCCL is not affected.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import os
+import warnings
+
+import torch
+import torch.distributed as dist
+
+_installed = False
+
+
+def _one_thread_class(real: type) -> type:
+    """A ``ProcessGroupGloo`` that, built as ``_new_process_group_helper`` builds it (store, rank, size,
+    timeout), gets the default devices (``GLOO_SOCKET_IFNAME``'s interfaces, else the host's) and one
+    worker thread; built with options, it takes them as they are."""
+
+    class OneThreadGloo(real):
+        def __init__(self, store, rank, size, timeout=datetime.timedelta(minutes=30)):
+            if isinstance(timeout, real._Options):
+                super().__init__(store, rank, size, timeout)
+                return
+            opts = real._Options()
+            opts._timeout = timeout
+            ifnames = os.environ.get("GLOO_SOCKET_IFNAME", "")
+            if len(ifnames) > 1:  # as torch's own constructor reads it
+                opts._devices = [real.create_device(interface=i) for i in ifnames.split(",")]
+            else:
+                opts._devices = [real.create_default_device()]
+            opts._threads = 1
+            super().__init__(store, rank, size, opts)
+
+    OneThreadGloo.__qualname__ = OneThreadGloo.__name__ = "ProcessGroupGloo"
+    return OneThreadGloo
+
+
+def single_thread_gloo() -> None:
+    """Gloo process groups created after this call run their collectives on one worker thread instead
+    of torch's two, which share a status string without a lock and can corrupt the heap when two
+    collectives finish at once (this module's docstring). Call it before ``init_process_group``, on
+    every rank; calling it again does nothing. The groups are torch's own ``ProcessGroupGloo``."""
+    global _installed
+    if _installed:
+        return
+    from torch.distributed import distributed_c10d as c10d
+
+    real = c10d.ProcessGroupGloo
+    one_thread = _one_thread_class(real)
+    helper = c10d._new_process_group_helper
+
+    @functools.wraps(helper)
+    def new_process_group_helper(*args, **kwargs):
+        # the one place torch builds a gloo group by name; the name is swapped only while it runs, so
+        # ``isinstance(backend, ProcessGroupGloo)`` elsewhere still sees torch's class
+        c10d.ProcessGroupGloo = one_thread
+        try:
+            return helper(*args, **kwargs)
+        finally:
+            c10d.ProcessGroupGloo = real
+
+    c10d._new_process_group_helper = new_process_group_helper
+    _installed = True
+
+
+def gloo_threads(group) -> int | None:
+    """The worker threads of ``group``'s gloo backend, or None when it has none (another backend)."""
+    try:
+        backend = group._get_backend(torch.device("cpu"))
+    except RuntimeError:
+        return None
+    if not isinstance(backend, dist.ProcessGroupGloo):
+        return None
+    return backend.options._threads
+
+
+def warn_if_racy_gloo(groups) -> None:
+    """Warn (once per process) when a process group the compiled step uses is gloo with more than one
+    worker thread, naming the fix."""
+    racy = [g.group_name for g in groups if (gloo_threads(g) or 0) > 1 and g.size() > 1]
+    if racy:
+        warnings.warn(
+            f"fsdp_compile: gloo process group(s) {sorted(set(racy))} run collectives on more than one worker "
+            "thread; torch's ProcessGroupGloo then writes its status from those threads without a lock, and two "
+            "collectives finishing at once can corrupt the heap (SIGABRT, 'malloc(): unaligned tcache chunk "
+            "detected'). Call fsdp_compile.single_thread_gloo() before torch.distributed.init_process_group.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
