@@ -31,17 +31,24 @@ _installed = False
 
 
 def _one_thread_class(real: type) -> type:
-    """A ``ProcessGroupGloo`` that, built as ``_new_process_group_helper`` builds it (store, rank, size,
-    timeout), gets the default devices (``GLOO_SOCKET_IFNAME``'s interfaces, else the host's) and one
-    worker thread; built with options, it takes them as they are."""
+    """A ``ProcessGroupGloo`` that, built as torch builds a group (store, rank, size, timeout, and on 2.14
+    ``enable_reconfigure``), gets the default devices (``GLOO_SOCKET_IFNAME``'s interfaces, else the
+    host's) and one worker thread; built with options, it takes them as they are."""
 
     class OneThreadGloo(real):
-        def __init__(self, store, rank, size, timeout=datetime.timedelta(minutes=30)):
+        def __init__(self, store, rank, size, timeout=datetime.timedelta(minutes=30), **kwargs):
             if isinstance(timeout, real._Options):
                 super().__init__(store, rank, size, timeout)
                 return
             opts = real._Options()
             opts._timeout = timeout
+            for name, value in kwargs.items():  # what newer torch passes, as an option of the same name
+                if not hasattr(opts, name):
+                    raise TypeError(
+                        f"torch {torch.__version__} builds a gloo group with {name}={value!r}, which "
+                        "fsdp_compile.single_thread_gloo cannot pass on; create the group without it"
+                    )
+                setattr(opts, name, value)
             ifnames = os.environ.get("GLOO_SOCKET_IFNAME", "")
             if len(ifnames) > 1:  # as torch's own constructor reads it
                 opts._devices = [real.create_device(interface=i) for i in ifnames.split(",")]
