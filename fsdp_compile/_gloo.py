@@ -1,20 +1,31 @@
 """Gloo process groups with one worker thread, and the warning for groups with more.
 
-torch's ``ProcessGroupGloo`` (2.13; the same code in 2.14) runs collectives on ``threads`` worker threads
-(2 for groups made by ``init_process_group`` and ``new_group``). After each collective, the worker thread
-writes the group's status, ``pgStatus_->lastCompletedWorkName`` (a ``std::string``), outside the group's
-lock (``ProcessGroupGloo::runLoop``). When two collectives of one group finish at the same moment, both
-threads assign the string and both free its old buffer: a double free, which glibc reports later as
-``malloc(): unaligned tcache chunk detected`` (SIGABRT) or a crash elsewhere. AddressSanitizer names it:
-"attempting double-free ... in thread T4 ... freed by thread T3 ... in c10d::ProcessGroupGloo::runLoop".
-A compiled step keeps collectives in flight together (an all-gather prefetched while a reduce-scatter
-runs), which makes this likelier than in eager FSDP2, where it can happen too. With one worker thread,
+torch's ``ProcessGroupGloo`` (2.13, and upstream's source as read on 2026-11-25) runs collectives on
+``threads`` worker threads (2 for groups made by ``init_process_group`` and ``new_group``). After each
+collective, the worker thread writes the group's status, ``pgStatus_->lastCompletedWorkName`` (a
+``std::string``), outside the group's lock (``ProcessGroupGloo::runLoop``). When two collectives of one
+group finish at the same moment, both threads assign the string and both free its old buffer: a double free,
+which glibc reports later as ``malloc(): unaligned tcache chunk detected`` (SIGABRT) or a crash elsewhere.
+AddressSanitizer names it: "attempting double-free ... in thread T4 ... freed by thread T3 ... in
+c10d::ProcessGroupGloo::runLoop". A compiled step keeps collectives in flight together (an all-gather
+prefetched while a reduce-scatter runs), and its all-gathers (functional collectives) run on gloo as
+``allgather_into_tensor_coalesced``, whose op name ``ALLGATHER_COALESCED`` is too long for the string's
+inline buffer: a move-assignment from a heap string frees the old buffer, so two such names finishing
+together free it twice (the 20-byte region ASan reports). Eager FSDP2's all-gathers run as
+``_allgather_base``, whose name fits inline, so eager meets the race far less often. With one worker thread,
 only that thread writes the status, so the race cannot happen.
 
+Found (2026-11-25) by running the multirank tests under AddressSanitizer, preloaded into the
+uninstrumented torch (libstdc++ too, or ASan's ``__cxa_throw`` interceptor aborts on the first caught C++
+exception); it runs at about full speed, and with one-thread groups the same run is clean::
+
+    LD_PRELOAD="/usr/lib/x86_64-linux-gnu/libasan.so.8 /usr/lib/x86_64-linux-gnu/libstdc++.so.6" \
+    ASAN_OPTIONS=detect_leaks=0:halt_on_error=1:log_path=/tmp/asan/log python3 -m pytest -m multirank tests
+
 ``single_thread_gloo()`` makes the gloo groups created after it (``init_process_group``, ``new_group``,
-``DeviceMesh``) use one worker thread. Collectives of one group then run one after another, as they finish
-anyway on a machine whose cores the ranks' compute already uses; collectives of different groups still run
-at once. NCCL is not affected.
+``DeviceMesh``) use one worker thread. Collectives of one group then run one after another (those of
+different groups still run at once). On the development machine (2 cores, 2 ranks) the step benchmarks
+stayed within their noise and the multirank tests got faster. NCCL is not affected.
 """
 
 from __future__ import annotations
@@ -101,8 +112,8 @@ def gloo_threads(group) -> int | None:
 
 
 def warn_if_racy_gloo(groups) -> None:
-    """Warn (once per process) when a process group the compiled step uses is gloo with more than one
-    worker thread, naming the fix."""
+    """Warn when a process group the compiled step uses is gloo with more than one worker thread, naming
+    the fix (Python's warning filters show it once per group list)."""
     racy = [g.group_name for g in groups if (gloo_threads(g) or 0) > 1 and g.size() > 1]
     if racy:
         warnings.warn(
