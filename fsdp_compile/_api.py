@@ -340,12 +340,7 @@ def agreed_workload(plan: ShardingPlan, args, kwargs) -> int:
     """``workload_of`` the first call's inputs, the maximum over the ranks of every FSDP process group
     (over its store, ``_agree``; nothing on the fake process group): every rank then plans the same schedule."""
     local = workload_of(args, kwargs)
-    if not dist.is_initialized() or dist.get_backend() == "fake":
-        return local
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    groups = [_resolve_process_group(n) for n in plan.process_group_names()]
-    return agree_max(local, groups, "the tokens per step (at the compiled model's first call)")
+    return agree_max(local, plan.process_groups(), "the tokens per step (at the compiled model's first call)")
 
 
 def _resolve_kernels(kernels: str, plan: ShardingPlan) -> str:
@@ -387,10 +382,7 @@ def _prepare(model: nn.Module, config: CompileConfig | None, overrides: dict) ->
     plan = read_plan(model)
     _check_against_plan(config, plan)
     check_ranks_agree(plan, config.agreement_items())
-    if dist.is_initialized() and dist.get_backend() != "fake":
-        from torch.distributed.distributed_c10d import _resolve_process_group
-
-        warn_if_racy_gloo([_resolve_process_group(n) for n in plan.process_group_names()])
+    warn_if_racy_gloo(plan.process_groups())
     return config, plan
 
 

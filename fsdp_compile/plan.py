@@ -185,6 +185,15 @@ class ShardingPlan:
         names += [n for g in self.groups for n in (g.replicate_group_name, g.post_forward_group_name) if n]
         return list(dict.fromkeys(names))
 
+    def process_groups(self) -> list:
+        """The groups ``process_group_names`` names, resolved; none where there are no peers to talk to (no
+        process group initialized, or the fake one)."""
+        if not dist.is_initialized() or dist.get_backend() == "fake":
+            return []
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        return [_resolve_process_group(n) for n in self.process_group_names()]
+
     def mesh_dim_of_groups(self) -> dict[str, str]:
         """Every process group the model's collectives run on, by c10d name -> the mesh dim it is: FSDP's
         shard dim, HSDP's replicate dim, and the TP/EP dims of parameters that were DTensors (their
@@ -299,16 +308,14 @@ def check_ranks_agree(plan: ShardingPlan, config_items: list[tuple[str, object]]
     a rank that compiles alone raises, within the group's timeout, instead of pairing with its peers'
     eager collectives. Skipped on the fake process group (no peers).
     """
-    if not dist.is_initialized() or dist.get_backend() == "fake":
+    groups = plan.process_groups()
+    if not groups:
         return
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
     from fsdp_compile._agree import check_same
 
     items = [(f"FSDP group {entry['fqn'] or '<root>'!r}", entry) for entry in plan.fingerprint()]
     items.insert(0, ("the number of FSDP groups", len(items)))
-    for name in plan.process_group_names():
-        group = _resolve_process_group(name)
+    for group in groups:
         if group.size() > 1:
             check_same(
                 "the fsdp_compile.CompileConfig", list(config_items), group,
