@@ -124,3 +124,57 @@ def warn_if_racy_gloo(groups) -> None:
             RuntimeWarning,
             stacklevel=3,
         )
+
+
+def measure_collective_scratch(group, numel: int = 1 << 18) -> dict[str, dict[str, float]]:
+    """What the backend of ``group`` allocates for each functional collective beyond its output, per byte the
+    collective moves (the gathered output of an all-gather, the input of the others:
+    ``passes.predicates.collective_bytes``): ``{kind: {"peak": ..., "held": ...}}``, ``peak`` the most
+    between issue and wait, ``held`` what is still allocated once the collective has finished and until its
+    wait (``HardwareProfile.collective_scratch`` states ``held``). Read from the profiler's allocation events,
+    which include the worker thread's; every rank of ``group`` calls it.
+
+    torch 2.13's gloo: a reduce-scatter copies its input at issue and all-reduces the copy, freed at the wait
+    (peak 1.0, held 1.0); an all-gather gathers into a flat buffer of its output's size on the worker thread
+    and copies out, freed as it finishes (peak 1.0, held 0); all-reduce and all-to-all allocate nothing."""
+    import time
+
+    from torch.profiler import ProfilerActivity, profile
+
+    ops, name, W = torch.ops._c10d_functional, group.group_name, group.size()
+    x, flag = torch.ones(numel), torch.zeros(1)
+    runs = {
+        "all_gather": lambda: ops.all_gather_into_tensor(x, W, name),
+        "reduce_scatter": lambda: ops.reduce_scatter_tensor(x, "sum", W, name),
+        "all_reduce": lambda: ops.all_reduce(x, "sum", name),
+        "all_to_all": lambda: ops.all_to_all_single(x, [numel // W] * W, [numel // W] * W, name),
+    }
+    moved = {"all_gather": x.nbytes * W}
+    out = {}
+    for kind, issue in runs.items():
+        ops.wait_tensor(issue())  # warm-up: the first call sets up the group's buffers
+        dist.barrier(group)
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            pending = issue()
+            # the collective has finished: on a one-thread group this in-place all-reduce (which allocates
+            # nothing) runs after it; with more threads, the sleep is ample for 1 MiB over 127.0.0.1
+            dist.all_reduce(flag, group=group)
+            if gloo_threads(group) != 1:
+                time.sleep(0.2)
+            torch.ones(1)  # a 4-byte marker: what is live here was held past the collective's end
+            result = ops.wait_tensor(pending)
+        events = sorted(
+            (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.nbytes() != 0),
+            key=lambda e: e.start_ns(),
+        )
+        live = peak = 0
+        held = None
+        for e in events:
+            if e.nbytes() == 4 and held is None:
+                held = live
+            live += e.nbytes()
+            peak = max(peak, live)
+        size = moved.get(kind, x.nbytes)
+        out[kind] = {"peak": round((peak - result.nbytes) / size, 2), "held": round((held - result.nbytes) / size, 2)}
+        del pending, result
+    return out

@@ -5,7 +5,9 @@
   worker thread (torch's two race on the group's status: ``fsdp_compile/_gloo.py``);
 * ``fc.compile`` on a model sharded over a gloo group with two worker threads warns, naming the fix; on
   one-thread groups it does not; the one-thread group trains like eager FSDP2 (the parity tests run on
-  such groups throughout).
+  such groups throughout);
+* what gloo allocates per collective beyond its output, measured, is what the ``cpu-gloo`` cost-model
+  profile's ``collective_scratch`` says (the planner counts it against the memory budget).
 """
 
 import warnings
@@ -25,7 +27,7 @@ def gloo_worker(rank, world_size):
     from torch.distributed.fsdp import fully_shard
 
     import fsdp_compile as fc
-    from fsdp_compile._gloo import gloo_threads
+    from fsdp_compile._gloo import gloo_threads, measure_collective_scratch
 
     out = {}
     world = dist.group.WORLD
@@ -60,6 +62,7 @@ def gloo_worker(rank, world_size):
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
     compiled(x).sum().backward()
     out["grads"] = all(p.grad is not None for p in compiled.parameters())
+    out["scratch"] = measure_collective_scratch(world)
     return out
 
 
@@ -83,3 +86,17 @@ def test_compile_warns_on_gloo_with_two_threads(results):
         assert "more than one worker thread" in r["warned_two"][0]
         assert r["warned_one"] == [], r["warned_one"]
         assert r["grads"]
+
+
+def test_cpu_gloo_profile_states_gloos_scratch(results):
+    from fsdp_compile.passes.cost_model import CPU_GLOO
+
+    stated = dict(CPU_GLOO.collective_scratch)
+    for r in results:
+        measured = r["scratch"]
+        assert set(measured) == {"all_gather", "reduce_scatter", "all_reduce", "all_to_all"}, measured
+        # held from the collective's end to its wait: what the profile states (a reduce-scatter's input copy)
+        assert {k: m["held"] for k, m in measured.items()} == {k: stated.get(k, 0.0) for k in measured}, measured
+        # the all-gather's flat buffer exists only while it runs (the profile leaves it out); the rest none
+        assert {k: m["peak"] for k, m in measured.items()} == {
+            "all_gather": 1.0, "reduce_scatter": 1.0, "all_reduce": 0.0, "all_to_all": 0.0}, measured

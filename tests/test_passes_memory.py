@@ -52,6 +52,37 @@ def test_collective_input_held_until_wait_and_wait_aliases():
     assert peak_memory(g) == (5 * KB4, next(n for n in g.nodes if n.name == "add"))
 
 
+def test_backend_scratch_lives_from_collective_to_wait():
+    """gloo copies a reduce-scatter's input at issue and frees the copy at the wait
+    (``HardwareProfile.collective_scratch``); with a cost model that says so the copy is counted there, and
+    only there: y = 2x (4 KiB) -> rs = reduce_scatter(y) (2 KiB, + a 4 KiB copy) -> z = x + 1 -> wait -> sum.
+
+    At z: x + y + rs + copy + z = 18432 (14336 without the copy); after the wait the copy is freed with y.
+    """
+    import dataclasses
+
+    from fsdp_compile.passes.cost_model import CostModel
+    from passes_helpers import PROFILE
+
+    with fake_process_group(2):
+        pg = dist.group.WORLD.group_name
+
+        def step(x):
+            rs = c10d.reduce_scatter_tensor(x * 2, "sum", 2, pg)
+            z = x + 1
+            return c10d.wait_tensor(rs).sum(), z
+
+        g = _trace(step, (1024,))
+        gloo_like = CostModel(dataclasses.replace(PROFILE, collective_scratch=(("reduce_scatter", 1.0),)))
+        plain = dict(zip([n.name for n in g.nodes], memory_timeline(g)))
+        scratch = dict(zip([n.name for n in g.nodes], memory_timeline(g, gloo_like)))
+        assert plain == dict(zip(plain, memory_timeline(g, CostModel(PROFILE))))  # no scratch in the profile
+    assert plain["add"] == 3 * KB4 + KB4 // 2
+    assert scratch["add"] == plain["add"] + KB4
+    assert scratch["sum_1"] == plain["sum_1"]
+    assert peak_memory(g, gloo_like)[0] == peak_memory(g)[0] + KB4
+
+
 def test_graph_inputs_count_throughout():
     g = _trace(lambda x, y: x.sum(), (1024,), (1024,))  # y never read: still live
     assert min(memory_timeline(g)) == 2 * KB4

@@ -71,6 +71,32 @@ def test_memory_budget():
         plan_schedule(mods, policy="fsdp_group", reorder=True, cost_model=cm, workload=1000, memory_budget_bytes=MB // 2)
 
 
+def test_backend_scratch_counts_against_the_budget():
+    """A backend that copies a reduce-scatter's input (gloo: ``HardwareProfile.collective_scratch``) holds that
+    copy from the issue to the wait, so a pending reduce-scatter holds twice its bytes. With a 2 MB budget::
+
+        no scratch:  AG1 AG0 | M1 (4, hides AG0) RS1 M0 (4, hides RS1) RS0     12 ms; 2 MB: AG0 + RS1 during M0
+        scratch:     AG1 M1 (4) RS1 (2) AG0 (2) M0 (4) RS0 (2)                 16 ms; 2 MB: RS1 + its copy
+
+    With scratch, prefetching AG0 (AG0 + RS1 + copy at RS1's issue) or sinking RS1 (the same during M0) holds
+    3 MB; the forward's prefetch (no reduce-scatter) stays. Eager FSDP2 on a CPU profile waits each
+    collective as it issues it (no streams), so its copies are freed at once: 16 ms, 3 MB at RS1's issue
+    (AG0 prefetched)."""
+    mods = [module("m0"), module("m1")]
+    gloo_like = CostModel(dataclasses.replace(PROFILE, collective_scratch=(("reduce_scatter", 1.0),)))
+    plain = plan_schedule(mods, policy="fsdp_group", reorder=True, cost_model=CostModel(PROFILE), workload=1000, memory_budget_bytes=2 * MB)
+    assert [(u.issue_at, u.backward_issue_at, u.sink) for u in plain.units] == [(0, 1, 0), (0, 1, 1)]
+    s = plan_schedule(mods, policy="fsdp_group", reorder=True, cost_model=gloo_like, workload=1000, memory_budget_bytes=2 * MB)
+    assert [(u.issue_at, u.backward_issue_at, u.sink) for u in s.units] == [(0, 0, 0), (0, 1, 0)]
+    assert steps(s.predicted["planned"]) == pytest.approx((6 * MS, 2 * MS, 16 * MS, 8 * MS))
+    assert [s.predicted["planned"][k]["comm_peak_bytes"] for k in ("forward", "backward")] == [2 * MB, 2 * MB]
+    eager = s.predicted["eager_fsdp2"]["backward"]
+    assert (eager["step_s"], eager["comm_peak_bytes"]) == (pytest.approx(16 * MS), 3 * MB)
+    # a pending reduce-scatter (the default plan's sink) holds its copy: 3 MB where the plain profile says 2
+    sunk = predict(plain.units, mods, gloo_like, 1000)
+    assert [sunk[k]["comm_peak_bytes"] for k in ("forward", "backward")] == [2 * MB, 3 * MB]
+
+
 def test_fsdp2_prefetch_settings_are_honored():
     """FSDP2's set_modules_to_forward_prefetch / set_modules_to_backward_prefetch: module A gathers its
     targets when A starts, with or without our own reordering."""

@@ -85,8 +85,10 @@ def storage_keys(graph: fx.Graph) -> tuple[dict[fx.Node, list], dict[object, int
 
 
 def lower(graph: fx.Graph, cost_model=None) -> list[Op]:
-    """One ``Op`` per node, in order; costs only when ``cost_model`` is given."""
+    """One ``Op`` per node, in order; costs, and the backend's scratch for each collective (allocated at the
+    collective, used by its wait: ``HardwareProfile.collective_scratch``), only when ``cost_model`` is given."""
     keys, nbytes = storage_keys(graph)
+    scratch_of = cost_model.profile.scratch_bytes if cost_model is not None else (lambda kind, n: 0)
     seen: set = set()
     ops = []
     for n in graph.nodes:
@@ -108,12 +110,17 @@ def lower(graph: fx.Graph, cost_model=None) -> list[Op]:
                 world_size=P.world_size(n),
                 wait=wait.name if wait is not None else None,
             )
+            scratch = scratch_of(op.info.kind, op.info.bytes)
+            if scratch:
+                op.allocs.append((("scratch", n.name), scratch))
             if cost_model is not None:
                 op.cost = cost_model.collective_node_time(n)
         elif P.is_wait(n):
             coll = P.collective_of(n)
             op.kind = "wait"
             op.coll = coll.name if coll is not None else None
+            if coll is not None:
+                uses.append(("scratch", coll.name))  # the backend's scratch lives until the wait
             for a in coll.all_input_nodes if coll is not None else ():
                 uses.extend(keys.get(a, ()))  # the library reads a collective's input until its wait
         elif n.op != "call_function":

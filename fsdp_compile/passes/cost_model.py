@@ -69,6 +69,11 @@ class HardwareProfile:
     source: str = ""  # where the numbers come from (and when they were measured)
     view_overhead: float = 0.0  # seconds per view / alias node (0 where compiled code makes views free)
     matmul_flops_float8: float | None = None  # FLOP/s for float8 (torch._scaled_mm); None: as bf16
+    # Bytes the communication backend allocates per byte a collective moves (``predicates.collective_bytes``),
+    # held from the collective's issue to its wait, by kind; kinds not named allocate nothing (NCCL works in
+    # place). The planner counts them against the memory budget, so a schedule that keeps more collectives in
+    # flight pays for their buffers.
+    collective_scratch: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self):
         if self.matmul_flops_float8 is None:
@@ -78,6 +83,10 @@ class HardwareProfile:
         if self.inter is None or world_size <= self.ranks_per_node:
             return self.intra
         return self.inter
+
+    def scratch_bytes(self, kind: str | None, nbytes: int) -> int:
+        """What the backend allocates for a ``kind`` collective moving ``nbytes`` (``collective_scratch``)."""
+        return int(dict(self.collective_scratch).get(kind, 0.0) * nbytes)
 
     def matmul_flops(self, dtype: torch.dtype) -> float:
         if dtype.is_floating_point and dtype.itemsize == 1:  # the float8 types
@@ -149,6 +158,13 @@ CPU_GLOO = HardwareProfile(
     view_overhead=3.45 * US,  # per aten.view node of an FX graph
     intra=LinkProfile(bus_bw=0.558 * GB, step_latency=499.8 * US, base_latency=0.0),  # AG + RS fit, 4 KiB..16 MiB
     ranks_per_node=1 << 30,  # one host: every rank on the same "node"
+    # torch 2.13's gloo (fsdp_compile._gloo.measure_collective_scratch; tests/test_gloo_multirank.py checks it): a
+    # reduce-scatter copies its whole input at issue and all-reduces the copy, freed at the wait. An all-gather's
+    # flat buffer (its output's size) lives only while it runs on the group's worker thread and is freed before
+    # the wait: counted from issue to wait it would charge a prefetched all-gather twice its bytes for the whole
+    # prefetch (tried: on `small` the planner then merged blocks two by two without prefetching, predicted step
+    # +26%), so it is left out. All-reduce, all-to-all: nothing.
+    collective_scratch=(("reduce_scatter", 1.0),),
     source="bench/results/calibrate_cpu_gloo.json (bench/calibrate_cpu_gloo.py on the development machine, 2026-11-22)",
 )
 

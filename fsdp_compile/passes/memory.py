@@ -10,7 +10,10 @@ The model, per storage (tensors that share a storage are one allocation; views, 
   of the two nodes are distinct objects);
 * graph inputs (placeholders: parameters, saved activations, tangents) are live throughout: the caller owns
   them, so they count from the first node to the last whether or not a later node still reads them;
-* graph outputs are live to the end.
+* graph outputs are live to the end;
+* with a cost model, what the communication backend allocates for a collective beyond its output
+  (``HardwareProfile.collective_scratch``: gloo's copy of a reduce-scatter's input) is allocated at the
+  collective and freed after its wait.
 
 ``memory_timeline(graph)[i]`` is the bytes live while node ``i`` runs: everything allocated before or at
 ``i`` and not freed before ``i`` (a node's inputs and outputs coexist). The caching allocator's rounding and
@@ -24,18 +27,19 @@ import torch.fx as fx
 from fsdp_compile.passes import _program
 
 
-def memory_timeline(graph: fx.Graph | fx.GraphModule) -> list[int]:
-    """Bytes live while each node runs, in ``graph.nodes`` order."""
+def memory_timeline(graph: fx.Graph | fx.GraphModule, cost_model=None) -> list[int]:
+    """Bytes live while each node runs, in ``graph.nodes`` order (the backend's scratch with ``cost_model``)."""
     if isinstance(graph, fx.GraphModule):
         graph = graph.graph
-    return _program.timeline(_program.lower(graph))
+    return _program.timeline(_program.lower(graph, cost_model))
 
 
-def peak_memory(graph: fx.Graph | fx.GraphModule) -> tuple[int, fx.Node | None]:
-    """``(peak live bytes, the first node at which it is reached)`` (``(0, None)`` for an empty graph)."""
+def peak_memory(graph: fx.Graph | fx.GraphModule, cost_model=None) -> tuple[int, fx.Node | None]:
+    """``(peak live bytes, the first node at which it is reached)`` (``(0, None)`` for an empty graph); the
+    backend's scratch counted with ``cost_model``."""
     if isinstance(graph, fx.GraphModule):
         graph = graph.graph
-    return peak_of(graph, _program.lower(graph))
+    return peak_of(graph, _program.lower(graph, cost_model))
 
 
 def peak_of(graph: fx.Graph, ops: list[_program.Op]) -> tuple[int, fx.Node | None]:

@@ -149,7 +149,8 @@ def plan_schedule(
     def ev(units):
         return predict(units, modules, cost_model, workload)
 
-    eager_pred = ev(eager_fsdp2(modules))
+    # eager FSDP2 on CPU runs its collectives synchronously (one stream, async_op=False)
+    eager_pred = predict(eager_fsdp2(modules), modules, cost_model, workload, blocking=cost_model.profile.device_type == "cpu")
     budget = memory_budget_bytes if memory_budget_bytes is not None else peak_bytes(eager_pred)
     if isinstance(policy, str):
         if policy == "none":

@@ -4,11 +4,14 @@ and communication per process group, first in, first out), with the gathered par
 reduce-scatter buffers alive at each point (``_program.timeline``). The two differ only in what they are
 fed: per-unit estimates here, per-node costs there (``tests/test_passes_predict.py`` measures the gap).
 
-**Memory** (``comm_peak_bytes``): the gathered parameters and reduce-scatter buffers alive at once, the
-part of the peak a schedule controls (activations, sharded state and gradients are the same under every
-schedule). The budget defaults to what eager FSDP2 holds on the same program (one module at a time, the
-next prefetched in backward, one reduce-scatter pending); ``CompileConfig.memory_budget_gb`` sets it. A
-plan that cannot meet it even without prefetching is an error naming the numbers.
+**Memory** (``comm_peak_bytes``): the gathered parameters and reduce-scatter buffers alive at once, with
+what the communication backend allocates for each collective in flight (``HardwareProfile.
+collective_scratch``: gloo copies a reduce-scatter's input), the part of the peak a schedule controls
+(activations, sharded state and gradients are the same under every schedule). The budget defaults to
+what eager FSDP2 holds on the same program (one module at a time, the next prefetched in backward, one
+reduce-scatter pending; on a CPU profile every collective waited as it is issued, as eager FSDP2 runs
+them without streams); ``CompileConfig.memory_budget_gb`` sets it. A plan that cannot meet it even
+without prefetching is an error naming the numbers.
 """
 
 from __future__ import annotations
@@ -26,10 +29,13 @@ class _Program:
     """The unit program written as ``_program.Op``s, so that it is timed by ``_program.run`` and measured by
     ``_program.timeline``: the one event simulator, which ``simulate`` and ``memory`` run on graphs (one
     compute stream, one FIFO stream per process group, a collective's launch on the compute stream). Only
-    the gathered parameters and reduce-scatter buffers are allocated, so the peak is ``comm_peak_bytes``."""
+    the gathered parameters, reduce-scatter buffers and the backend's scratch for collectives in flight are
+    allocated, so the peak is ``comm_peak_bytes``."""
 
-    def __init__(self, issue_overhead: float):
+    def __init__(self, issue_overhead: float, scratch=lambda kind, nbytes: 0, blocking: bool = False):
         self.issue_overhead = issue_overhead
+        self.scratch = scratch  # HardwareProfile.scratch_bytes
+        self.blocking = blocking  # every collective waited as it is issued
         self.ops: list[_program.Op] = [_program.Op("start", "io")]  # holds what is gathered before the step
         self.pending: set[str] = set()  # collectives issued and not yet waited
         self.held: set[str] = set()  # buffers allocated and not yet released
@@ -37,15 +43,23 @@ class _Program:
     def compute(self, seconds: float) -> None:
         self.ops.append(_program.Op(f"compute_{len(self.ops)}", "compute", cost=seconds))
 
-    def issue(self, key: str, pg: str, seconds: float, nbytes: int) -> None:
-        """A collective into a new buffer ``key`` (its name too: a wait names it)."""
-        self.ops.append(_program.Op(key, "collective", cost=seconds, allocs=[(key, nbytes)], pg=pg))
+    def issue(self, key: str, kind: str, pg: str, seconds: float, nbytes: int) -> None:
+        """A ``kind`` collective into a new buffer ``key`` (its name too: a wait names it) of ``nbytes`` (what
+        it moves), with the backend's scratch until its wait."""
+        allocs = [(key, nbytes)]
+        if scratch := self.scratch(kind, nbytes):
+            allocs.append((("scratch", key), scratch))
+        self.ops.append(_program.Op(key, "collective", cost=seconds, allocs=allocs, pg=pg))
         self.pending.add(key)
         self.held.add(key)
+        if self.blocking:
+            self.wait(key)
 
     def wait(self, key: str) -> None:
-        self.ops.append(_program.Op(f"wait_{key}", "wait", coll=key))
-        self.pending.discard(key)
+        """Wait for ``key`` (once: a blocking program has waited at the issue; its buffer stays held)."""
+        if key in self.pending:
+            self.ops.append(_program.Op(f"wait_{key}", "wait", coll=key, uses=[("scratch", key)]))
+            self.pending.discard(key)
 
     def alloc(self, key: str, nbytes: int) -> None:
         """A buffer held from the start (gathered in forward and kept)."""
@@ -74,13 +88,12 @@ def _anchors(units: Sequence[Unit], order: Sequence[int], attr: str) -> dict[int
     return out
 
 
-def _run_forward(units: Sequence[Unit], c: UnitCosts, overhead: float) -> dict:
-    s = _Program(overhead)
+def _run_forward(units: Sequence[Unit], c: UnitCosts, s: _Program) -> dict:
     order = list(range(len(units)))
     issues = _anchors(units, order, "issue_at")
     for i in order:
         for j in issues.get(i, []):
-            s.issue(f"ag{j}", c.pg[j], c.ag[j], units[j].all_gather_bytes)
+            s.issue(f"ag{j}", "all_gather", c.pg[j], c.ag[j], units[j].all_gather_bytes)
         s.wait(f"ag{i}")
         s.compute(c.fwd[i])
         if units[i].regathers and not units[i].tail:
@@ -89,8 +102,7 @@ def _run_forward(units: Sequence[Unit], c: UnitCosts, overhead: float) -> dict:
     return s.result()
 
 
-def _run_backward(units: Sequence[Unit], c: UnitCosts, overhead: float) -> dict:
-    s = _Program(overhead)
+def _run_backward(units: Sequence[Unit], c: UnitCosts, s: _Program) -> dict:
     order = backward_order(units)
     for i, u in enumerate(units):  # kept unsharded since forward
         if not u.regathers:
@@ -110,7 +122,7 @@ def _run_backward(units: Sequence[Unit], c: UnitCosts, overhead: float) -> dict:
         for j in waits_before.get(rank[i], []):
             s.wait(f"rs{j}")
             s.release(f"rs{j}")
-        s.issue(f"rs{i}", c.pg[i], c.rs[i], units[i].reduce_scatter_bytes)
+        s.issue(f"rs{i}", "reduce_scatter", c.pg[i], c.rs[i], units[i].reduce_scatter_bytes)
         if units[i].sink == 0:
             s.wait(f"rs{i}")
             s.release(f"rs{i}")
@@ -129,7 +141,7 @@ def _run_backward(units: Sequence[Unit], c: UnitCosts, overhead: float) -> dict:
             head_done = True
         for j in issues.get(k, []):
             if units[j].regathers:
-                s.issue(f"ag{j}", c.pg[j], c.ag[j], units[j].all_gather_bytes)
+                s.issue(f"ag{j}", "all_gather", c.pg[j], c.ag[j], units[j].all_gather_bytes)
         if units[i].regathers:
             s.wait(f"ag{i}")
         if units[i].tail:
@@ -146,17 +158,26 @@ def _run_backward(units: Sequence[Unit], c: UnitCosts, overhead: float) -> dict:
             if units[i].reduce_scatter_bytes:
                 reduce_scatter(i)
     for i in reduced:  # what is still pending is waited at the end
-        if f"rs{i}" in s.pending:
+        if f"rs{i}" in s.held:
             s.wait(f"rs{i}")
             s.release(f"rs{i}")
     return s.result()
 
 
-def predict(units: Sequence[Unit], modules: Sequence[Module], cost_model: CostModel, workload: int) -> dict:
-    """``{"forward" | "backward": {"step_s", "exposed_s", "comm_peak_bytes"}}`` of ``units`` on the program."""
+def predict(
+    units: Sequence[Unit], modules: Sequence[Module], cost_model: CostModel, workload: int, *, blocking: bool = False
+) -> dict:
+    """``{"forward" | "backward": {"step_s", "exposed_s", "comm_peak_bytes"}}`` of ``units`` on the program.
+    ``blocking``: every collective is waited as soon as it is issued, its buffer released where ``units`` say
+    (eager FSDP2 on CPU: no streams, so its collectives are synchronous and the backend's scratch is freed at
+    once; its reduce-scatter input is still kept until the next reduce-scatter)."""
     c = unit_costs(units, {m.fqn: m for m in modules}, cost_model, workload)
-    overhead = cost_model.profile.op_overhead
-    return {"forward": _run_forward(units, c, overhead), "backward": _run_backward(units, c, overhead)}
+    p = cost_model.profile
+
+    def program() -> _Program:
+        return _Program(p.op_overhead, p.scratch_bytes, blocking)
+
+    return {"forward": _run_forward(units, c, program()), "backward": _run_backward(units, c, program())}
 
 
 def step_s(pred: dict) -> float:
