@@ -37,6 +37,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from fsdp_compile import kernels as K  # registers the copy ops: a graph from the compile caches calls them untraced
 from fsdp_compile._annotations import REDUCE_SCATTER, UNSHARD, annotate
 from fsdp_compile._layout import inner_numel, padded_rows, rank_rows
 
@@ -59,7 +60,8 @@ class Comm:
     unit: int  # its unit in the schedule (``passes.schedule``): how the passes find it in every graph
     group_name: str  # the c10d process group the functional collective runs on
     world_size: int
-    kernels: str  # "torch" (copies traced as torch ops) | "triton" (fsdp_compile.kernels, one launch each)
+    kernels: str  # "torch": copies traced as torch ops, but the copy-out: its op run by torch (unshard_impl)
+    #               "triton": every copy a fsdp_compile.kernels op, one launch each
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,38 +178,25 @@ def _copy_in(shards: Sequence[Tensor], dim0s: Sequence[int], world_size: int, dt
     return torch.cat(flats) if len(flats) > 1 else flats[0].clone()
 
 
-def _copy_out(gathered: Tensor, shards: Sequence[Tensor], dim0s: Sequence[int], world_size: int) -> list[Tensor]:
-    # gathered: [W * sum(n_i)], rank-major; returns each full parameter [d_i, *S_i[1:]]
-    per_rank = gathered.view(world_size, -1)
-    outs, offset = [], 0
-    for shard, d in zip(shards, dim0s):
-        c = padded_rows(d, world_size)
-        tail = tuple(shard.shape[1:])
-        n = c * inner_numel((c, *tail))
-        full = per_rank[:, offset : offset + n].reshape(world_size * c, *tail)
-        outs.append(full[:d] if world_size * c != d else full)
-        offset += n
-    return outs
-
-
 def unshard_impl(shards: list[Tensor], args: UnshardArgs, payloads: Sequence[Tensor] = ()) -> list[Tensor]:
     """copy-in -> all-gather -> wait -> copy-out, every node annotated with the FSDP group."""
     c = args.comm
     with annotate(UNSHARD, c.fsdp_groups, c.unit):
         if any(args.payloads):  # all-gather extensions: torch ops (the Triton copy kernels take parameters only)
             return _unshard_payloads(shards, args, payloads)
-        if c.kernels == "triton":  # one launch each for copy-in and copy-out (fsdp_compile.kernels)
-            from fsdp_compile import kernels as K
-
-            full_shapes = [(d, *s.shape[1:]) for s, d in zip(shards, args.dim0s)]
+        full_shapes = [(d, *s.shape[1:]) for s, d in zip(shards, args.dim0s)]
+        if c.kernels == "triton":  # one launch for the copy-in
             rank = _rank_of_rows(args.dim0s, [s.shape[0] for s in shards], c.world_size)
             flat = K.all_gather_copy_in(shards, full_shapes, c.world_size, rank, dtype=args.param_dtype, impl="triton")
-            gathered = _c10d.wait_tensor(_c10d.all_gather_into_tensor(flat, c.world_size, c.group_name))
-            return K.all_gather_copy_out(gathered, full_shapes, c.world_size, impl="triton")
-        # torch ops, traced into the graph: Inductor fuses them with their neighbours
-        flat = _copy_in(shards, args.dim0s, c.world_size, args.param_dtype)
+        else:  # torch ops, traced into the graph: Inductor fuses the pad and cast with their neighbours
+            flat = _copy_in(shards, args.dim0s, c.world_size, args.param_dtype)
         gathered = _c10d.wait_tensor(_c10d.all_gather_into_tensor(flat, c.world_size, c.group_name))
-        return _copy_out(gathered, shards, args.dim0s, c.world_size)
+        # The copy-out is one op (fsdp_compile.kernels), a Triton launch or its torch reference (FSDP2's own
+        # split_with_sizes_copy). Traced as torch ops (a slice, clone and view per parameter) it tripled the
+        # top-level graphs' nodes per block, and Inductor's compile time grows with them: a cold first step
+        # of an 8-layer HF Llama took 19% longer (61.5 s against 51.8 s, fake process group), for no gain in
+        # step time or median step peak (bench/compiled_vs_eager.py on 2 gloo ranks, side by side: within 3%).
+        return K.all_gather_copy_out(gathered, full_shapes, c.world_size, impl=c.kernels)
 
 
 def _unshard_payloads(shards: Sequence[Tensor], args: UnshardArgs, payloads: Sequence[Tensor]) -> list[Tensor]:
@@ -259,8 +248,6 @@ def reduce_scatter_grads_impl(grads: list[Tensor], args: ReduceScatterArgs) -> l
     c, r = args.comm, args.reduction
     with annotate(REDUCE_SCATTER, c.fsdp_groups, c.unit):
         if c.kernels == "triton":
-            from fsdp_compile import kernels as K
-
             packed = K.reduce_scatter_copy_in(grads, c.world_size, dtype=r.dtype, impl="triton")
         else:
             packed = _pack_grads(grads, c.world_size, r.dtype)
@@ -314,7 +301,8 @@ def _unpack_grads(reduced: Tensor, grads, local_rows, world_size: int, dtype: to
 
 # --- the ops -------------------------------------------------------------------------------------------
 # Eager calls only (compiled graphs use DECOMPOSITIONS): a custom op's outputs may not alias each other or
-# its inputs, and the decompositions' outputs are views of one buffer, hence the clones.
+# its inputs, and some decompositions' outputs are views of one buffer (all-gather extensions' payloads, the
+# gradients' unpack), hence the clones.
 
 
 @torch.library.custom_op("fsdp_compile::unshard", mutates_args=())

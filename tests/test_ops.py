@@ -6,7 +6,8 @@ import torch.distributed as dist
 
 import fsdp_compile  # noqa: F401  (registers the ops)
 from fsdp_compile._layout import padded_rows
-from fsdp_compile.ops import Comm, Reduction, ReduceScatterArgs, UnshardArgs, _copy_in, _copy_out, _pack_grads, _unpack_grads
+from fsdp_compile import kernels as K
+from fsdp_compile.ops import Comm, Reduction, ReduceScatterArgs, UnshardArgs, _copy_in, _pack_grads, _unpack_grads
 
 SHAPES = [(5, 3), (1,), (7,), (2, 4, 3), (8, 2)]
 
@@ -41,9 +42,10 @@ def test_all_gather_layout_matches_fsdp2(world_size, dtype):
         ours = _copy_in(shards, dim0s, world_size, dtype)
         assert torch.equal(ours, fsdp_copy_in(shards, dim0s, world_size, rank, dtype or torch.float32))
         flats.append(ours)
-    # an all-gather concatenates rank-major; copy-out gives the full parameters back, padding trimmed
+    # an all-gather concatenates rank-major; copy-out (the op the graphs hold) gives the full parameters
+    # back, padding trimmed
     gathered = torch.cat(flats)
-    outs = _copy_out(gathered, [local_shard(f, world_size, 0) for f in fulls], dim0s, world_size)
+    outs = K.all_gather_copy_out(gathered, [tuple(f.shape) for f in fulls], world_size, impl="torch")
     for out, full in zip(outs, fulls):
         assert torch.equal(out, full.to(dtype) if dtype else full)
 

@@ -90,3 +90,16 @@ def test_non_collectives_rejected():
     for fn in (P.collective_bytes, P.world_size, P.process_group_name):
         with pytest.raises(ValueError, match="relu"):
             fn(y)
+
+
+def test_one_copy_out_op_per_all_gather():
+    """kernels="torch" (CPU's default): each gathered buffer goes to its parameters through one
+    ``fsdp_compile::all_gather_copy_out`` (FSDP2's split_with_sizes_copy), not a slice, clone and view per
+    parameter, which tripled the graphs' nodes per block and Inductor's compile time with them (ops.py)."""
+    fw, bw, _ = captured(8)
+    copy_out = torch.ops.fsdp_compile.all_gather_copy_out.default
+    for gm in (fw, bw):
+        for ag in P.collectives(gm.graph, "all_gather"):
+            (wait,) = ag.users
+            assert [u.target for u in wait.users] == [copy_out], (ag.name, list(wait.users))
+        assert not [n for n in gm.graph.nodes if n.target is torch.ops.aten.clone.default]
