@@ -88,7 +88,6 @@ def lower(graph: fx.Graph, cost_model=None) -> list[Op]:
     """One ``Op`` per node, in order; costs, and the backend's scratch for each collective (allocated at the
     collective, used by its wait: ``HardwareProfile.collective_scratch``), only when ``cost_model`` is given."""
     keys, nbytes = storage_keys(graph)
-    scratch_of = cost_model.profile.scratch_bytes if cost_model is not None else (lambda kind, n: 0)
     seen: set = set()
     ops = []
     for n in graph.nodes:
@@ -110,11 +109,10 @@ def lower(graph: fx.Graph, cost_model=None) -> list[Op]:
                 world_size=P.world_size(n),
                 wait=wait.name if wait is not None else None,
             )
-            scratch = scratch_of(op.info.kind, op.info.bytes)
-            if scratch:
-                op.allocs.append((("scratch", n.name), scratch))
             if cost_model is not None:
                 op.cost = cost_model.collective_node_time(n)
+                if scratch := cost_model.profile.scratch_bytes(op.info.kind, op.info.bytes):
+                    op.allocs.append((("scratch", n.name), scratch))
         elif P.is_wait(n):
             coll = P.collective_of(n)
             op.kind = "wait"

@@ -149,8 +149,9 @@ def plan_schedule(
     def ev(units):
         return predict(units, modules, cost_model, workload)
 
-    # eager FSDP2 on CPU runs its collectives synchronously (one stream, async_op=False)
-    eager_pred = predict(eager_fsdp2(modules), modules, cost_model, workload, blocking=cost_model.profile.device_type == "cpu")
+    # eager FSDP2 on CPU runs its collectives synchronously (no streams, unshard_async_op=False)
+    blocking = cost_model.profile.device_type == "cpu"
+    eager_pred = predict(eager_fsdp2(modules), modules, cost_model, workload, blocking=blocking)
     budget = memory_budget_bytes if memory_budget_bytes is not None else peak_bytes(eager_pred)
     if isinstance(policy, str):
         if policy == "none":
