@@ -20,7 +20,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from fsdp_compile.passes import _program
-from fsdp_compile.passes.cost_model import CostModel
+from fsdp_compile.passes.cost_model import CostModel, HardwareProfile
 from fsdp_compile.passes.schedule import Module, Unit, backward_order
 from fsdp_compile.passes.unit_costs import UnitCosts, unit_costs
 
@@ -32,9 +32,9 @@ class _Program:
     the gathered parameters, reduce-scatter buffers and the backend's scratch for collectives in flight are
     allocated, so the peak is ``comm_peak_bytes``."""
 
-    def __init__(self, issue_overhead: float, scratch=lambda kind, nbytes: 0, blocking: bool = False):
-        self.issue_overhead = issue_overhead
-        self.scratch = scratch  # HardwareProfile.scratch_bytes
+    def __init__(self, profile: HardwareProfile, blocking: bool):
+        self.issue_overhead = profile.op_overhead
+        self.scratch = profile.scratch_bytes  # what the backend allocates beside a collective, to its wait
         self.blocking = blocking  # every collective waited as it is issued
         self.ops: list[_program.Op] = [_program.Op("start", "io")]  # holds what is gathered before the step
         self.pending: set[str] = set()  # collectives issued and not yet waited
@@ -173,11 +173,7 @@ def predict(
     once; its reduce-scatter input is still kept until the next reduce-scatter)."""
     c = unit_costs(units, {m.fqn: m for m in modules}, cost_model, workload)
     p = cost_model.profile
-
-    def program() -> _Program:
-        return _Program(p.op_overhead, p.scratch_bytes, blocking)
-
-    return {"forward": _run_forward(units, c, program()), "backward": _run_backward(units, c, program())}
+    return {"forward": _run_forward(units, c, _Program(p, blocking)), "backward": _run_backward(units, c, _Program(p, blocking))}
 
 
 def step_s(pred: dict) -> float:
