@@ -169,6 +169,70 @@ def test_one_launch_per_call_strides_and_out(cuda_triton):
     torch.cuda.synchronize()
 
 
+def test_device_tables_cached_by_content(cuda_triton, monkeypatch):
+    """A call whose tables (addresses, sizes, block) were made before copies nothing to the device and
+    reuses them; other addresses get other tables, so results stay right; the cache stays in its bytes
+    bound; a table read on a second stream is recorded on it (its memory waits for that stream's kernels)."""
+    world_size, rank = 4, 1
+    fulls = cuda_params(CUDA_SHAPES, torch.float32, seed=21)
+    shards = [spec_shard(f, world_size, rank) for f in fulls]
+    C._DEVICE_TABLES.clear()
+    C._device_tables_bytes = 0
+    first = K.all_gather_copy_in(shards, CUDA_SHAPES, world_size, rank, torch.bfloat16, impl="triton")
+    assert len(C._DEVICE_TABLES) == 1
+    (entry,) = C._DEVICE_TABLES.values()
+    again = K.all_gather_copy_in(shards, CUDA_SHAPES, world_size, rank, torch.bfloat16, impl="triton")
+    assert len(C._DEVICE_TABLES) == 1 and next(iter(C._DEVICE_TABLES.values())) is entry
+    assert_bitwise(again, first)
+    moved = [s.clone() + 1 for s in shards]  # other addresses, other values
+    got = K.all_gather_copy_in(moved, CUDA_SHAPES, world_size, rank, torch.bfloat16, impl="triton")
+    assert len(C._DEVICE_TABLES) == 2
+    assert_bitwise(got, K.all_gather_copy_in(moved, CUDA_SHAPES, world_size, rank, torch.bfloat16, impl="torch"))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        on_side = K.all_gather_copy_in(shards, CUDA_SHAPES, world_size, rank, torch.bfloat16, impl="triton")
+    torch.cuda.current_stream().wait_stream(side)
+    assert_bitwise(on_side, first)
+    assert len(entry[3]) == 2  # the creating stream and the side stream
+    monkeypatch.setattr(C, "_DEVICE_TABLES_MAX_BYTES", entry[0].nbytes + entry[1].nbytes)
+    for i in range(5):
+        K.all_gather_copy_in([s.clone() for s in shards], CUDA_SHAPES, world_size, rank, torch.bfloat16, impl="triton")
+        assert len(C._DEVICE_TABLES) == 1 and C._device_tables_bytes <= C._DEVICE_TABLES_MAX_BYTES
+    torch.cuda.synchronize()
+    C._DEVICE_TABLES.clear()
+    C._device_tables_bytes = 0
+
+
+def test_cuda_graph_capture_bypasses_the_table_cache(cuda_triton):
+    """A call captured in a CUDA graph makes its own tables (kept alive by the graph's pool), never a cached
+    one that a later eviction could free under the graph; replays copy the shards' current values."""
+    world_size, rank = 4, 1
+    fulls = cuda_params(CUDA_SHAPES, torch.float32, seed=22)
+    shards = [spec_shard(f, world_size, rank) for f in fulls]
+    want = K.all_gather_copy_in(shards, CUDA_SHAPES, world_size, rank, torch.bfloat16, impl="torch")
+    K.all_gather_copy_in(shards, CUDA_SHAPES, world_size, rank, torch.bfloat16, impl="triton")  # warm: compiled, cached
+    cached = dict(C._DEVICE_TABLES)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side), torch.cuda.graph(graph):
+        out = K.all_gather_copy_in(shards, CUDA_SHAPES, world_size, rank, torch.bfloat16, impl="triton")
+    torch.cuda.current_stream().wait_stream(side)
+    assert C._DEVICE_TABLES.keys() == cached.keys()
+    C._DEVICE_TABLES.clear()  # evict everything: the graph must not depend on it
+    C._device_tables_bytes = 0
+    torch.cuda.empty_cache()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_bitwise(out, want)
+    for s in shards:
+        s.mul_(2)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_bitwise(out, K.all_gather_copy_in(shards, CUDA_SHAPES, world_size, rank, torch.bfloat16, impl="torch"))
+
+
 def test_inductor_runs_the_triton_ops_on_cuda(cuda_triton):
     """Under Inductor on CUDA the ops stay extern kernels: the Triton copies run inside the compiled graph
     (4 launches) and give the eager torch reference's bits."""

@@ -27,13 +27,13 @@ if triton is not None:
     def _all_gather_copy_in_kernel(
         out_ptr,  # *OUT [N]: this rank's packed chunk; OUT = out's dtype
         seg_ptr,  # *i64 [S, 4]: per shard i (data_ptr, m_i = its numel, n_i = padded numel, off_i in out)
-        work_ptr,  # *i64 [P, 2]: per program (shard i, first element of its block within [0, n_i))
+        work_ptr,  # *i64 [P, 3]: per program (shard i, 0, first element of its block within [0, n_i))
         SRC: tl.constexpr,  # tl dtype of every shard (one dtype per call, checked by the launcher)
         BLOCK: tl.constexpr,  # elements per program (C.block_size)
     ):
         pid = tl.program_id(0)
-        i = tl.load(work_ptr + 2 * pid)
-        start = tl.load(work_ptr + 2 * pid + 1)
+        i = tl.load(work_ptr + 3 * pid)
+        start = tl.load(work_ptr + 3 * pid + 2)
         src = tl.load(seg_ptr + 4 * i).to(tl.pointer_type(SRC))
         m = tl.load(seg_ptr + 4 * i + 1)
         n = tl.load(seg_ptr + 4 * i + 2)
@@ -47,7 +47,7 @@ def _triton(shards: Sequence[torch.Tensor], n: Sequence[int], offs: Sequence[int
     # The kernel reads shard i as flat [m_i]: keep the contiguous copies alive until the launch is queued.
     shards = [s if s.is_contiguous() else s.contiguous() for s in shards]
     block = C.block_size(n, out.device)
-    seg, work, programs = C.build_tables(shards, [s.numel() for s in shards], n, offs, n, block, out.device)
+    seg, work, programs = C.build_tables(shards, [s.numel() for s in shards], n, offs, [(n_i,) for n_i in n], block, out.device)
     C.launch(
         "all_gather_copy_in", _all_gather_copy_in_kernel, programs, out, seg, work,
         SRC=C.tl_dtype(shards[0].dtype), BLOCK=block,

@@ -27,31 +27,32 @@ if triton is not None:
     def _all_gather_copy_out_kernel(
         gathered_ptr,  # *IN [W * N]: the all-gather output, rank-major
         seg_ptr,  # *i64 [S, 4]: per param i (data_ptr of full_i, M_i = prod(S_i), n_i, off_i within a rank's chunk)
-        work_ptr,  # *i64 [P, 2]: per program (param i, first element of its block within [0, M_i))
+        work_ptr,  # *i64 [P, 3]: per program (param i, rank w, first element of its block within rank w's piece)
         row_stride,  # N = sum(n_i): elements per rank in gathered
         DST: tl.constexpr,  # tl dtype of every output
         BLOCK: tl.constexpr,  # elements per program (C.block_size)
     ):
         pid = tl.program_id(0)
-        i = tl.load(work_ptr + 2 * pid)
-        start = tl.load(work_ptr + 2 * pid + 1)
+        i = tl.load(work_ptr + 3 * pid)
+        w = tl.load(work_ptr + 3 * pid + 1)
+        start = tl.load(work_ptr + 3 * pid + 2)
         dst = tl.load(seg_ptr + 4 * i).to(tl.pointer_type(DST))
         numel = tl.load(seg_ptr + 4 * i + 1)
         n = tl.load(seg_ptr + 4 * i + 2)
         off = tl.load(seg_ptr + 4 * i + 3)
-        e = start + tl.arange(0, BLOCK)  # element of full_i
-        w = e // n  # the rank that holds it
-        mask = e < numel
-        x = tl.load(gathered_ptr + w * row_stride + off + (e - w * n), mask=mask)
-        tl.store(dst + e, C.cast_to(x, DST), mask=mask)
+        j = start + tl.arange(0, BLOCK)  # element of rank w's piece: element w * n + j of full_i
+        mask = (j < n) & (w * n + j < numel)
+        x = tl.load(gathered_ptr + w * row_stride + off + j, mask=mask)
+        tl.store(dst + w * n + j, C.cast_to(x, DST), mask=mask)
 
 
 def _triton(
     gathered: torch.Tensor, n: Sequence[int], offs: Sequence[int], outs: Sequence[torch.Tensor], world_size: int
 ) -> None:
     numels = [o.numel() for o in outs]
-    block = C.block_size(numels, gathered.device)
-    seg, work, programs = C.build_tables(outs, numels, n, offs, numels, block, gathered.device)
+    pieces = [C.rank_pieces(m, n_i, world_size) for m, n_i in zip(numels, n)]
+    block = C.block_size([d for per in pieces for d in per], gathered.device)
+    seg, work, programs = C.build_tables(outs, numels, n, offs, pieces, block, gathered.device)
     C.launch(
         "all_gather_copy_out", _all_gather_copy_out_kernel, programs, gathered, seg, work, sum(n),
         DST=C.tl_dtype(outs[0].dtype), BLOCK=block,

@@ -26,33 +26,32 @@ if triton is not None:
     def _reduce_scatter_copy_in_kernel(
         out_ptr,  # *OUT [W * N]: the reduce-scatter input, rank-major; OUT = out's dtype
         seg_ptr,  # *i64 [S, 4]: per grad i (data_ptr, M_i = prod(S_i), n_i, off_i within a rank's chunk)
-        work_ptr,  # *i64 [P, 2]: per program (grad i, first element of its block within [0, W * n_i))
+        work_ptr,  # *i64 [P, 3]: per program (grad i, rank w, first element of its block within [0, n_i))
         row_stride,  # N = sum(n_i): elements per rank in out
-        world_size,  # W: grad i's padded flat form has W * n_i elements
         SRC: tl.constexpr,  # tl dtype of every gradient
         BLOCK: tl.constexpr,  # elements per program (C.block_size)
     ):
         pid = tl.program_id(0)
-        i = tl.load(work_ptr + 2 * pid)
-        start = tl.load(work_ptr + 2 * pid + 1)
+        i = tl.load(work_ptr + 3 * pid)
+        w = tl.load(work_ptr + 3 * pid + 1)
+        start = tl.load(work_ptr + 3 * pid + 2)
         src = tl.load(seg_ptr + 4 * i).to(tl.pointer_type(SRC))
         numel = tl.load(seg_ptr + 4 * i + 1)
         n = tl.load(seg_ptr + 4 * i + 2)
         off = tl.load(seg_ptr + 4 * i + 3)
-        e = start + tl.arange(0, BLOCK)  # element of grad_i padded to W * n_i
-        w = e // n  # the rank whose chunk receives it
-        x = tl.load(src + e, mask=e < numel, other=0)  # e >= M_i is padding: zero
-        tl.store(out_ptr + w * row_stride + off + (e - w * n), C.cast_to(x, out_ptr.dtype.element_ty), mask=e < world_size * n)
+        j = start + tl.arange(0, BLOCK)  # element of rank w's chunk: element w * n + j of grad_i padded to W * n_i
+        x = tl.load(src + w * n + j, mask=(j < n) & (w * n + j < numel), other=0)  # beyond M_i: padding, zero
+        tl.store(out_ptr + w * row_stride + off + j, C.cast_to(x, out_ptr.dtype.element_ty), mask=j < n)
 
 
 def _triton(grads: Sequence[torch.Tensor], n: Sequence[int], offs: Sequence[int], out: torch.Tensor, world_size: int) -> None:
     # The kernel reads grad i as flat [M_i]: keep the contiguous copies alive until the launch is queued.
     grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
-    domains = [world_size * n_i for n_i in n]
-    block = C.block_size(domains, out.device)
-    seg, work, programs = C.build_tables(grads, [g.numel() for g in grads], n, offs, domains, block, out.device)
+    pieces = [(n_i,) * world_size for n_i in n]  # every rank's chunk is written whole: padding is zeroed
+    block = C.block_size([d for per in pieces for d in per], out.device)
+    seg, work, programs = C.build_tables(grads, [g.numel() for g in grads], n, offs, pieces, block, out.device)
     C.launch(
-        "reduce_scatter_copy_in", _reduce_scatter_copy_in_kernel, programs, out, seg, work, sum(n), world_size,
+        "reduce_scatter_copy_in", _reduce_scatter_copy_in_kernel, programs, out, seg, work, sum(n),
         SRC=C.tl_dtype(grads[0].dtype), BLOCK=block,
     )
 

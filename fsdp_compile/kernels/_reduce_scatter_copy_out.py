@@ -24,13 +24,13 @@ if triton is not None:
     def _reduce_scatter_copy_out_kernel(
         reduced_ptr,  # *IN [N]: this rank's reduce-scatter output
         seg_ptr,  # *i64 [S, 4]: per param i (data_ptr of grad_i, m_i = its numel, n_i (unused here), off_i in reduced)
-        work_ptr,  # *i64 [P, 2]: per program (param i, first element of its block within [0, m_i))
+        work_ptr,  # *i64 [P, 3]: per program (param i, 0, first element of its block within [0, m_i))
         DST: tl.constexpr,  # tl dtype of every output
         BLOCK: tl.constexpr,  # elements per program (C.block_size)
     ):
         pid = tl.program_id(0)
-        i = tl.load(work_ptr + 2 * pid)
-        start = tl.load(work_ptr + 2 * pid + 1)
+        i = tl.load(work_ptr + 3 * pid)
+        start = tl.load(work_ptr + 3 * pid + 2)
         dst = tl.load(seg_ptr + 4 * i).to(tl.pointer_type(DST))
         m = tl.load(seg_ptr + 4 * i + 1)
         off = tl.load(seg_ptr + 4 * i + 3)
@@ -43,7 +43,7 @@ if triton is not None:
 def _triton(reduced: torch.Tensor, n: Sequence[int], offs: Sequence[int], outs: Sequence[torch.Tensor]) -> None:
     numels = [o.numel() for o in outs]
     block = C.block_size(numels, reduced.device)
-    seg, work, programs = C.build_tables(outs, numels, n, offs, numels, block, reduced.device)
+    seg, work, programs = C.build_tables(outs, numels, n, offs, [(m,) for m in numels], block, reduced.device)
     C.launch(
         "reduce_scatter_copy_out", _reduce_scatter_copy_out_kernel, programs, reduced, seg, work,
         DST=C.tl_dtype(outs[0].dtype), BLOCK=block,
