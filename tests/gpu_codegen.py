@@ -81,11 +81,16 @@ def kernels(arch: int) -> dict:
         if num_programs == 0:
             return
         ck = kernel.warmup(*args, grid=(num_programs,), num_warps=C._GPU_WARPS, **kwargs)
-        assert f".target sm_{arch}" in ck.asm["ptx"], ck.asm["ptx"][:300]
+        ptx = ck.asm["ptx"]
+        assert f".target sm_{arch}" in ptx, ptx[:300]
         launches += 1
         pairs.add((name, *pair))
         if ck.metadata.hash not in binaries:
+            # every load and store of the copied data 16 bytes wide (the tables' own loads are b64 scalars)
+            accesses = re.findall(r"(?:ld|st)\.global\.(\S+)", ptx)
+            data = [a for a in accesses if a not in ("b64", "u64")]
             binaries[ck.metadata.hash] = {"kernel": name, "src": pair[0], "dst": pair[1], "programs": num_programs,
+                                          "vec": kwargs["VEC"], "vector_accesses": all(a.startswith("v4.") for a in data),
                                           **resource_usage(ck.asm["cubin"])}
 
     gpu = torch.device("cuda")
@@ -95,9 +100,11 @@ def kernels(arch: int) -> dict:
     previous = triton.runtime.driver._active
     triton.runtime.driver.set_active(stub_triton_driver(arch))  # what JITFunction.warmup asks of a driver
     t = time.perf_counter()
-    shapes = [(1000, 64), (7,), (33, 3, 5)]  # uneven rows: padding on the last ranks, and a rank with none
+    odd = [(1000, 64), (7,), (33, 3, 5)]  # uneven rows: padding on the last ranks, and a rank with none
+    aligned = [(1024, 64), (64,), (256, 128)]  # every size a multiple of 8 at W=8: C.vector_width > 1
     try:
-        for (src, dst), world in itertools.product(itertools.product(C.TRITON_DTYPES, repeat=2), (1, 8)):
+        for shapes, (src, dst), world in itertools.product(
+                (odd, aligned), itertools.product(C.TRITON_DTYPES, repeat=2), (1, 8)):
             rank, pair = world - 1, (str(src).removeprefix("torch."), str(dst).removeprefix("torch."))
             n = [L.padded_rows(s[0], world) * L.inner_numel(s) for s in shapes]
             offs = L.offsets(n)

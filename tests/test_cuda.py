@@ -28,6 +28,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from fsdp_compile import _layout as L
 from fsdp_compile import kernels as K
 from fsdp_compile.kernels import _common as C
 from dist_helpers import collect
@@ -124,6 +125,40 @@ def test_reduce_scatter_triton_equals_torch(pair, cuda_triton):
             assert_bitwise(ref, spec_rs_copy_out(reduced, CUDA_SHAPES, world_size, rank, src), f"torch rs copy-out W={world_size} rank {rank}")
             got = K.reduce_scatter_copy_out(reduced, CUDA_SHAPES, world_size, rank, src, impl="triton")
             assert_bitwise(got, ref, f"triton rs copy-out W={world_size} rank {rank}")
+
+
+# Shapes a transformer has (every size a multiple of 8, so C.vector_width gives 16-byte accesses), with a
+# bias of 64 (8 elements a rank at W=8) and one tensor spanning several programs.
+ALIGNED_SHAPES = [(256, 64), (64,), (512, 128), (128,), (96, 2048)]
+
+
+@pytest.mark.parametrize("pair", PAIRS, ids=_pair_id)
+def test_vectorized_kernels_equal_torch(pair, cuda_triton):
+    """The 16-byte path (VEC > 1), and beside it one shard that starts off 16 bytes (VEC = 1 for that call)."""
+    src, dst = pair
+    for world_size in (1, 2, 8):
+        fulls = [f.cuda() for f in params(ALIGNED_SHAPES, src, seed=30 + world_size)]
+        n = L.padded_numels(ALIGNED_SHAPES, world_size)
+        assert C.vector_width(fulls, [*(f.numel() for f in fulls), *n, *L.offsets(n)], pair) == 16 // min(src.itemsize, dst.itemsize)
+        for rank in range(world_size):
+            shards = [spec_shard(f, world_size, rank) for f in fulls]
+            want = K.all_gather_copy_in(shards, ALIGNED_SHAPES, world_size, rank, dst, impl="torch")
+            assert_bitwise(K.all_gather_copy_in(shards, ALIGNED_SHAPES, world_size, rank, dst, impl="triton"), want)
+            shifted = torch.empty(shards[0].numel() + 1, dtype=src, device="cuda")[1:].view(shards[0].shape)
+            shifted.copy_(shards[0])  # same values, 2 or 4 bytes off alignment
+            assert_bitwise(K.all_gather_copy_in([shifted, *shards[1:]], ALIGNED_SHAPES, world_size, rank, dst, impl="triton"), want)
+        gathered = torch.cat([K.all_gather_copy_in([spec_shard(f, world_size, r) for f in fulls], ALIGNED_SHAPES, world_size, r, dst, impl="torch")
+                              for r in range(world_size)])
+        for out_dtype in (None, src):
+            assert_bitwise(K.all_gather_copy_out(gathered, ALIGNED_SHAPES, world_size, out_dtype, impl="triton"),
+                           K.all_gather_copy_out(gathered, ALIGNED_SHAPES, world_size, out_dtype, impl="torch"))
+        packed = K.reduce_scatter_copy_in(fulls, world_size, dst, impl="torch")
+        assert_bitwise(K.reduce_scatter_copy_in(fulls, world_size, dst, impl="triton"), packed)
+        chunk = packed.numel() // world_size
+        for rank in range(world_size):
+            reduced = packed[rank * chunk : (rank + 1) * chunk]
+            assert_bitwise(K.reduce_scatter_copy_out(reduced, ALIGNED_SHAPES, world_size, rank, src, impl="triton"),
+                           K.reduce_scatter_copy_out(reduced, ALIGNED_SHAPES, world_size, rank, src, impl="torch"))
 
 
 @pytest.mark.parametrize("dst", (torch.bfloat16, torch.float16))

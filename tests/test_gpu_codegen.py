@@ -44,10 +44,12 @@ def step(tmp_path, *args: str) -> dict:
 def test_copy_kernels_compile_with_launch_arguments_and_no_spills(tmp_path, arch):
     r = step(tmp_path, "--block-numpy", "kernels", "--arch", str(arch))
     assert r["block"] == 2048  # what block_size picks on CUDA
-    assert r["launches"] == 72  # 4 kernels x 9 dtype pairs x world sizes 1 and 8
+    assert r["launches"] == 144  # 4 kernels x 9 dtype pairs x world sizes 1 and 8 x odd and aligned shapes
     assert r["kernel_dtype_pairs"] == 36
-    kinds = {(b["kernel"], b["src"], b["dst"]) for b in r["binaries"]}
-    assert len(kinds) == 36, sorted(kinds)
+    kinds = {(b["kernel"], b["src"], b["dst"], b["vec"] > 1) for b in r["binaries"]}
+    assert len(kinds) == 72, sorted(kinds)  # each kernel and pair built scalar (odd shapes) and vectorized
+    wide = [b for b in r["binaries"] if b["vec"] > 1]
+    assert wide and all(b["vector_accesses"] for b in wide), [b for b in wide if not b["vector_accesses"]]
     spills = [b for b in r["binaries"] if b["stack"] or b["local"]]
     assert not spills, spills
     assert all(0 < b["registers"] <= 255 for b in r["binaries"])

@@ -300,6 +300,21 @@ def test_block_size_model():
     assert C.block_size([10_000_000], torch.device("cuda")) == C._GPU_BLOCK
 
 
+def test_vector_width_only_where_every_size_and_pointer_allows_it():
+    """VEC is what the kernels promise Triton (tl.multiple_of): 16 bytes of the narrowest dtype where every
+    size and offset is a multiple of it and every tensor starts on 16 bytes, else 1 (a false promise would
+    make a masked vector access run past a tensor's end on a GPU)."""
+    aligned = torch.empty(64), torch.empty(32)
+    assert C.vector_width(aligned, [64, 32, 0, 64], (torch.float32, torch.bfloat16)) == 8
+    assert C.vector_width(aligned, [64, 32, 0, 64], (torch.float32, torch.float32)) == 4
+    assert C.vector_width(aligned, [64, 36, 0, 64], (torch.float32, torch.bfloat16)) == 1  # 36 is not a multiple of 8
+    assert C.vector_width(aligned, [64, 36, 0, 64], (torch.float32, torch.float32)) == 4
+    assert C.vector_width(aligned, [64, 7], (torch.float32,)) == 1
+    shifted = torch.empty(65)[1:]  # starts 4 bytes into its storage
+    assert C.vector_width([aligned[0], shifted], [64, 64], (torch.float32,)) == 1
+    assert C.vector_width([torch.empty(0)], [0], (torch.bfloat16,)) == 8
+
+
 def test_padding_only_and_empty_calls(triton_impl):
     before = launches("all_gather_copy_in")
     out = K.all_gather_copy_in([torch.empty(0, 3)], [(2, 3)], 4, 3, impl=triton_impl)  # 2 rows over 4 ranks: rank 3 has none

@@ -30,6 +30,7 @@ if triton is not None:
         work_ptr,  # *i64 [P, 3]: per program (shard i, 0, first element of its block within [0, n_i))
         SRC: tl.constexpr,  # tl dtype of every shard (one dtype per call, checked by the launcher)
         BLOCK: tl.constexpr,  # elements per program (C.block_size)
+        VEC: tl.constexpr,  # C.vector_width: every m_i, n_i, off_i a multiple of it, every shard 16-byte aligned
     ):
         pid = tl.program_id(0)
         i = tl.load(work_ptr + 3 * pid)
@@ -38,6 +39,9 @@ if triton is not None:
         m = tl.load(seg_ptr + 4 * i + 1)
         n = tl.load(seg_ptr + 4 * i + 2)
         off = tl.load(seg_ptr + 4 * i + 3)
+        if VEC > 1:  # what C.vector_width checked, and start (a multiple of BLOCK by construction)
+            start = tl.multiple_of(start, BLOCK)
+            src, m, n, off = tl.multiple_of(src, 16), tl.multiple_of(m, VEC), tl.multiple_of(n, VEC), tl.multiple_of(off, VEC)
         e = start + tl.arange(0, BLOCK)  # element within shard i's padded segment
         x = tl.load(src + e, mask=e < m, other=0)  # e >= m is padding: zero
         tl.store(out_ptr + off + e, C.cast_to(x, out_ptr.dtype.element_ty), mask=e < n)
@@ -51,6 +55,7 @@ def _triton(shards: Sequence[torch.Tensor], n: Sequence[int], offs: Sequence[int
     C.launch(
         "all_gather_copy_in", _all_gather_copy_in_kernel, programs, out, seg, work,
         SRC=C.tl_dtype(shards[0].dtype), BLOCK=block,
+        VEC=C.vector_width(shards, [*(s.numel() for s in shards), *n, *offs], (shards[0].dtype, out.dtype)),
     )
 
 

@@ -31,6 +31,7 @@ if triton is not None:
         row_stride,  # N = sum(n_i): elements per rank in gathered
         DST: tl.constexpr,  # tl dtype of every output
         BLOCK: tl.constexpr,  # elements per program (C.block_size)
+        VEC: tl.constexpr,  # C.vector_width: every M_i, n_i, off_i and N a multiple of it, every full_i 16-byte aligned
     ):
         pid = tl.program_id(0)
         i = tl.load(work_ptr + 3 * pid)
@@ -40,9 +41,16 @@ if triton is not None:
         numel = tl.load(seg_ptr + 4 * i + 1)
         n = tl.load(seg_ptr + 4 * i + 2)
         off = tl.load(seg_ptr + 4 * i + 3)
+        if VEC > 1:  # what C.vector_width checked, and start (a multiple of BLOCK by construction)
+            start = tl.multiple_of(start, BLOCK)
+            dst, numel, n = tl.multiple_of(dst, 16), tl.multiple_of(numel, VEC), tl.multiple_of(n, VEC)
+            off = tl.multiple_of(off, VEC)
         j = start + tl.arange(0, BLOCK)  # element of rank w's piece: element w * n + j of full_i
         mask = (j < n) & (w * n + j < numel)
-        x = tl.load(gathered_ptr + w * row_stride + off + j, mask=mask)
+        base = w * row_stride + off  # where rank w's copy of param i starts in gathered
+        if VEC > 1:
+            base = tl.multiple_of(base, VEC)  # N and off_i are multiples of VEC
+        x = tl.load(gathered_ptr + base + j, mask=mask)
         tl.store(dst + w * n + j, C.cast_to(x, DST), mask=mask)
 
 
@@ -56,6 +64,7 @@ def _triton(
     C.launch(
         "all_gather_copy_out", _all_gather_copy_out_kernel, programs, gathered, seg, work, sum(n),
         DST=C.tl_dtype(outs[0].dtype), BLOCK=block,
+        VEC=C.vector_width(outs, [*numels, *n, *offs], (gathered.dtype, outs[0].dtype)),
     )
 
 

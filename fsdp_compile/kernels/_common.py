@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import math
 from collections.abc import Sequence
 
 import torch
@@ -258,8 +259,9 @@ _INTERP_BLOCKS = tuple(1 << k for k in range(8, 17))  # 256 .. 65536
 
 # GPU: 2048 elements per program, 4 warps -> 16 elements per thread. Measured on an H200 (2026-11-26, torch
 # 2.11, Triton 3.6; one Llama-3-8B block at W=8 and a 12.6M-parameter block, fp32 and fp32 -> bf16, every
-# kernel, against 4096 x 4, 4096 x 8 and 8192 x 8): the fastest or within 3% of it in all 16 cases; 8192 x 8
-# was 13-51% slower. At it the kernels copy a Llama-3-8B block at 91-97% of copy_'s bandwidth in fp32.
+# kernel, against 4096 x 4, 4096 x 8 and 8192 x 8): the fastest or within 3% of it in all 16 cases, with
+# scalar and with 16-byte accesses; 8192 x 8 was 13-51% slower. With 16-byte accesses the kernels copy a
+# Llama-3-8B block at 94-99% of copy_'s bandwidth.
 _GPU_BLOCK = 2048
 _GPU_WARPS = 4
 
@@ -300,9 +302,9 @@ def _work_table(pieces: tuple[tuple[int, ...], ...], block: int) -> torch.Tensor
 # same addresses) every step, and the caching allocator mostly hands a copy-out the same output addresses
 # step after step, so most calls find their tables here and queue no host-to-device copy ahead of the
 # kernel. Measured on an H200 (one Llama-3-8B block, W=8, fp32): the copy-in, whose kernel this did not
-# change, went from 2881 to 3753 GB/s of device time; host time per call stayed within 10%. Bounded by bytes
-# (a work table holds 24 bytes per program: 1.3 MB for that block). Not used while a CUDA graph is being
-# captured: the graph would keep reading a table that a later eviction frees.
+# change, went from 2881 to 3753 GB/s of device time; host time per call stayed within 10%. Bounded by
+# bytes (a work table holds 24 bytes per program: 2.6 MB for that block's copy-out). Not used while a CUDA
+# graph is being captured: the graph would keep reading a table that a later eviction frees.
 _DEVICE_TABLES: collections.OrderedDict = collections.OrderedDict()
 _DEVICE_TABLES_MAX_BYTES = 64 << 20
 _device_tables_bytes = 0
@@ -361,6 +363,21 @@ def build_tables(
 def rank_pieces(numel: int, n: int, world_size: int) -> tuple[int, ...]:
     """Elements of a full parameter (``numel``, ``n`` padded per rank) that each rank's piece holds."""
     return tuple(max(0, min(n, numel - w * n)) for w in range(world_size))
+
+
+def vector_width(tensors: Sequence[torch.Tensor], sizes: Sequence[int], dtypes: Sequence[torch.dtype]) -> int:
+    """``VEC`` for a launch: elements per 16-byte access of the narrowest dtype when every size and offset
+    the kernel reads from its tables (``sizes``) is a multiple of it and every tensor the tables point to
+    starts on 16 bytes; else 1. The kernels pass it to ``tl.multiple_of``: the claim must hold, or a masked
+    vector access would read or write past a tensor's end. Measured on Triton's PTX for sm_90: without
+    these hints every access is one element wide (``ld.global.b16`` for bf16), with them 16 bytes."""
+    vec = 16 // min(d.itemsize for d in dtypes)
+    if any(t.data_ptr() % 16 for t in tensors):
+        return 1
+    g = 0
+    for v in sizes:
+        g = math.gcd(g, int(v))
+    return vec if g % vec == 0 else 1
 
 
 def launch(name: str, kernel, num_programs: int, *args, **kwargs) -> None:

@@ -30,6 +30,7 @@ if triton is not None:
         row_stride,  # N = sum(n_i): elements per rank in out
         SRC: tl.constexpr,  # tl dtype of every gradient
         BLOCK: tl.constexpr,  # elements per program (C.block_size)
+        VEC: tl.constexpr,  # C.vector_width: every M_i, n_i, off_i and N a multiple of it, every grad_i 16-byte aligned
     ):
         pid = tl.program_id(0)
         i = tl.load(work_ptr + 3 * pid)
@@ -39,9 +40,16 @@ if triton is not None:
         numel = tl.load(seg_ptr + 4 * i + 1)
         n = tl.load(seg_ptr + 4 * i + 2)
         off = tl.load(seg_ptr + 4 * i + 3)
+        if VEC > 1:  # what C.vector_width checked, and start (a multiple of BLOCK by construction)
+            start = tl.multiple_of(start, BLOCK)
+            src, numel, n = tl.multiple_of(src, 16), tl.multiple_of(numel, VEC), tl.multiple_of(n, VEC)
+            off = tl.multiple_of(off, VEC)
         j = start + tl.arange(0, BLOCK)  # element of rank w's chunk: element w * n + j of grad_i padded to W * n_i
         x = tl.load(src + w * n + j, mask=(j < n) & (w * n + j < numel), other=0)  # beyond M_i: padding, zero
-        tl.store(out_ptr + w * row_stride + off + j, C.cast_to(x, out_ptr.dtype.element_ty), mask=j < n)
+        base = w * row_stride + off  # where grad i's piece starts in rank w's chunk of out
+        if VEC > 1:
+            base = tl.multiple_of(base, VEC)  # N and off_i are multiples of VEC
+        tl.store(out_ptr + base + j, C.cast_to(x, out_ptr.dtype.element_ty), mask=j < n)
 
 
 def _triton(grads: Sequence[torch.Tensor], n: Sequence[int], offs: Sequence[int], out: torch.Tensor, world_size: int) -> None:
@@ -53,6 +61,7 @@ def _triton(grads: Sequence[torch.Tensor], n: Sequence[int], offs: Sequence[int]
     C.launch(
         "reduce_scatter_copy_in", _reduce_scatter_copy_in_kernel, programs, out, seg, work, sum(n),
         SRC=C.tl_dtype(grads[0].dtype), BLOCK=block,
+        VEC=C.vector_width(grads, [*(g.numel() for g in grads), *n, *offs], (grads[0].dtype, out.dtype)),
     )
 
 

@@ -27,6 +27,7 @@ if triton is not None:
         work_ptr,  # *i64 [P, 3]: per program (param i, 0, first element of its block within [0, m_i))
         DST: tl.constexpr,  # tl dtype of every output
         BLOCK: tl.constexpr,  # elements per program (C.block_size)
+        VEC: tl.constexpr,  # C.vector_width: every m_i, off_i a multiple of it, every grad_i 16-byte aligned
     ):
         pid = tl.program_id(0)
         i = tl.load(work_ptr + 3 * pid)
@@ -34,6 +35,9 @@ if triton is not None:
         dst = tl.load(seg_ptr + 4 * i).to(tl.pointer_type(DST))
         m = tl.load(seg_ptr + 4 * i + 1)
         off = tl.load(seg_ptr + 4 * i + 3)
+        if VEC > 1:  # what C.vector_width checked, and start (a multiple of BLOCK by construction)
+            start = tl.multiple_of(start, BLOCK)
+            dst, m, off = tl.multiple_of(dst, 16), tl.multiple_of(m, VEC), tl.multiple_of(off, VEC)
         e = start + tl.arange(0, BLOCK)  # element of grad_i
         mask = e < m
         x = tl.load(reduced_ptr + off + e, mask=mask)
@@ -47,6 +51,7 @@ def _triton(reduced: torch.Tensor, n: Sequence[int], offs: Sequence[int], outs: 
     C.launch(
         "reduce_scatter_copy_out", _reduce_scatter_copy_out_kernel, programs, reduced, seg, work,
         DST=C.tl_dtype(outs[0].dtype), BLOCK=block,
+        VEC=C.vector_width(outs, [*numels, *offs], (reduced.dtype, outs[0].dtype)),
     )
 
 
