@@ -268,6 +268,35 @@ def test_cuda_graph_capture_bypasses_the_table_cache(cuda_triton):
     assert_bitwise(out, K.all_gather_copy_in(shards, CUDA_SHAPES, world_size, rank, torch.bfloat16, impl="torch"))
 
 
+def test_cuda_graph_replays_tables_made_during_capture(cuda_triton):
+    """A call first seen during capture builds its tables there (a pinned host-to-device copy inside the
+    graph); later calls, which allocate and fill pinned host blocks of their own, must not overwrite what
+    the graph's copy reads at each replay. torch's caching host allocator guarantees it (it never reuses
+    a pinned block allocated and used during a capture); this checks that the kernels rely on it rightly."""
+    world_size, rank = 4, 1
+    fulls = cuda_params(CUDA_SHAPES, torch.float32, seed=23)
+    shards = [spec_shard(f, world_size, rank) for f in fulls]
+    want = K.all_gather_copy_in(shards, CUDA_SHAPES, world_size, rank, torch.bfloat16, impl="torch")
+    K.all_gather_copy_in(shards, CUDA_SHAPES, world_size, rank, torch.bfloat16, impl="triton")  # compile the kernel
+    C._DEVICE_TABLES.clear()
+    C._device_tables_bytes = 0
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side), torch.cuda.graph(graph):
+        out = K.all_gather_copy_in(shards, CUDA_SHAPES, world_size, rank, torch.bfloat16, impl="triton")
+    torch.cuda.current_stream().wait_stream(side)
+    others = [[s.clone() for s in shards] for _ in range(8)]
+    for other in others:  # new tables, with other addresses, through the same pinned host allocator
+        C._DEVICE_TABLES.clear()
+        C._device_tables_bytes = 0
+        K.all_gather_copy_in(other, CUDA_SHAPES, world_size, rank, torch.bfloat16, impl="triton")
+        torch.cuda.synchronize()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_bitwise(out, want)
+
+
 def test_inductor_runs_the_triton_ops_on_cuda(cuda_triton):
     """Under Inductor on CUDA the ops stay extern kernels: the Triton copies run inside the compiled graph
     (4 launches) and give the eager torch reference's bits."""

@@ -335,7 +335,9 @@ def build_tables(
         table = torch.cat([torch.tensor(rows, dtype=torch.int64), work])
         if device.type != "cpu":
             # Pinned + non_blocking: a pageable host-to-device copy would synchronize the stream and stall
-            # the host. The caching host allocator keeps the pinned block alive until the copy has run.
+            # the host. The caching host allocator keeps the pinned block alive until the copy has run, and
+            # never reuses one allocated and used during a CUDA graph capture, whose replays read it again
+            # (ATen/core/CachingHostAllocator.h; tests/test_cuda.py checks it).
             table = table.pin_memory().to(device, non_blocking=True)
         return table[: len(rows)], table[len(rows) :], work.numel() // 3
 
