@@ -204,6 +204,22 @@ def test_one_launch_per_call_strides_and_out(cuda_triton):
     torch.cuda.synchronize()
 
 
+def _empty_table_cache() -> None:
+    C._DEVICE_TABLES.clear()
+    C._device_tables_bytes = 0
+
+
+def _capture_copy_in(shards, world_size: int, rank: int):
+    """(graph, its output): one bf16 all-gather copy-in of ``shards`` captured in a CUDA graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side), torch.cuda.graph(graph):
+        out = K.all_gather_copy_in(shards, CUDA_SHAPES, world_size, rank, torch.bfloat16, impl="triton")
+    torch.cuda.current_stream().wait_stream(side)
+    return graph, out
+
+
 def test_device_tables_cached_by_content(cuda_triton, monkeypatch):
     """A call whose tables (addresses, sizes, block) were made before copies nothing to the device and
     reuses them; other addresses get other tables, so results stay right; the cache stays in its bytes
@@ -211,8 +227,7 @@ def test_device_tables_cached_by_content(cuda_triton, monkeypatch):
     world_size, rank = 4, 1
     fulls = cuda_params(CUDA_SHAPES, torch.float32, seed=21)
     shards = [spec_shard(f, world_size, rank) for f in fulls]
-    C._DEVICE_TABLES.clear()
-    C._device_tables_bytes = 0
+    _empty_table_cache()
     first = K.all_gather_copy_in(shards, CUDA_SHAPES, world_size, rank, torch.bfloat16, impl="triton")
     assert len(C._DEVICE_TABLES) == 1
     (entry,) = C._DEVICE_TABLES.values()
@@ -235,8 +250,7 @@ def test_device_tables_cached_by_content(cuda_triton, monkeypatch):
         K.all_gather_copy_in([s.clone() for s in shards], CUDA_SHAPES, world_size, rank, torch.bfloat16, impl="triton")
         assert len(C._DEVICE_TABLES) == 1 and C._device_tables_bytes <= C._DEVICE_TABLES_MAX_BYTES
     torch.cuda.synchronize()
-    C._DEVICE_TABLES.clear()
-    C._device_tables_bytes = 0
+    _empty_table_cache()
 
 
 def test_cuda_graph_capture_bypasses_the_table_cache(cuda_triton):
@@ -248,15 +262,9 @@ def test_cuda_graph_capture_bypasses_the_table_cache(cuda_triton):
     want = K.all_gather_copy_in(shards, CUDA_SHAPES, world_size, rank, torch.bfloat16, impl="torch")
     K.all_gather_copy_in(shards, CUDA_SHAPES, world_size, rank, torch.bfloat16, impl="triton")  # warm: compiled, cached
     cached = dict(C._DEVICE_TABLES)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(side), torch.cuda.graph(graph):
-        out = K.all_gather_copy_in(shards, CUDA_SHAPES, world_size, rank, torch.bfloat16, impl="triton")
-    torch.cuda.current_stream().wait_stream(side)
+    graph, out = _capture_copy_in(shards, world_size, rank)
     assert C._DEVICE_TABLES.keys() == cached.keys()
-    C._DEVICE_TABLES.clear()  # evict everything: the graph must not depend on it
-    C._device_tables_bytes = 0
+    _empty_table_cache()  # evict everything: the graph must not depend on it
     torch.cuda.empty_cache()
     graph.replay()
     torch.cuda.synchronize()
@@ -278,18 +286,11 @@ def test_cuda_graph_replays_tables_made_during_capture(cuda_triton):
     shards = [spec_shard(f, world_size, rank) for f in fulls]
     want = K.all_gather_copy_in(shards, CUDA_SHAPES, world_size, rank, torch.bfloat16, impl="torch")
     K.all_gather_copy_in(shards, CUDA_SHAPES, world_size, rank, torch.bfloat16, impl="triton")  # compile the kernel
-    C._DEVICE_TABLES.clear()
-    C._device_tables_bytes = 0
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(side), torch.cuda.graph(graph):
-        out = K.all_gather_copy_in(shards, CUDA_SHAPES, world_size, rank, torch.bfloat16, impl="triton")
-    torch.cuda.current_stream().wait_stream(side)
+    _empty_table_cache()
+    graph, out = _capture_copy_in(shards, world_size, rank)
     others = [[s.clone() for s in shards] for _ in range(8)]
     for other in others:  # new tables, with other addresses, through the same pinned host allocator
-        C._DEVICE_TABLES.clear()
-        C._device_tables_bytes = 0
+        _empty_table_cache()
         K.all_gather_copy_in(other, CUDA_SHAPES, world_size, rank, torch.bfloat16, impl="triton")
         torch.cuda.synchronize()
         graph.replay()
