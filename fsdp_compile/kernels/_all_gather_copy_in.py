@@ -50,12 +50,13 @@ if triton is not None:
 def _triton(shards: Sequence[torch.Tensor], n: Sequence[int], offs: Sequence[int], out: torch.Tensor) -> None:
     # The kernel reads shard i as flat [m_i]: keep the contiguous copies alive until the launch is queued.
     shards = [s if s.is_contiguous() else s.contiguous() for s in shards]
+    m = [s.numel() for s in shards]
     block = C.block_size(n, out.device)
-    seg, work, programs = C.build_tables(shards, [s.numel() for s in shards], n, offs, [(n_i,) for n_i in n], block, out.device)
+    seg, work, programs = C.build_tables(shards, m, n, offs, [(n_i,) for n_i in n], block, out.device)
     C.launch(
         "all_gather_copy_in", _all_gather_copy_in_kernel, programs, out, seg, work,
         SRC=C.tl_dtype(shards[0].dtype), BLOCK=block,
-        VEC=C.vector_width(shards, [*(s.numel() for s in shards), *n, *offs], (shards[0].dtype, out.dtype)),
+        VEC=C.vector_width(shards, [*m, *n, *offs], (shards[0].dtype, out.dtype)),
     )
 
 

@@ -57,11 +57,12 @@ def _triton(grads: Sequence[torch.Tensor], n: Sequence[int], offs: Sequence[int]
     grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
     pieces = [(n_i,) * world_size for n_i in n]  # every rank's chunk is written whole: padding is zeroed
     block = C.block_size([d for per in pieces for d in per], out.device)
-    seg, work, programs = C.build_tables(grads, [g.numel() for g in grads], n, offs, pieces, block, out.device)
+    numels = [g.numel() for g in grads]
+    seg, work, programs = C.build_tables(grads, numels, n, offs, pieces, block, out.device)
     C.launch(
         "reduce_scatter_copy_in", _reduce_scatter_copy_in_kernel, programs, out, seg, work, sum(n),
         SRC=C.tl_dtype(grads[0].dtype), BLOCK=block,
-        VEC=C.vector_width(grads, [*(g.numel() for g in grads), *n, *offs], (grads[0].dtype, out.dtype)),
+        VEC=C.vector_width(grads, [*numels, *n, *offs], (grads[0].dtype, out.dtype)),
     )
 
 
