@@ -42,7 +42,7 @@ def build(model_kind: str, depth: int):
 
         cfg = LlamaConfig(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=depth,
                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                          attn_implementation="sdpa")
+                          attn_implementation="sdpa", use_cache=False)  # training: no KV cache
         model = LlamaForCausalLM(cfg)
         return model, list(model.model.layers)
     from fsdp_compile.models import Llama, LlamaArgs

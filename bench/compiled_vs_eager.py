@@ -188,7 +188,7 @@ def build(model_name: str, device: torch.device, sharded: bool | str = True, tp:
 
             cfg = LlamaConfig(vocab_size=HF_VOCAB, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
                               num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=256,
-                              attn_implementation="sdpa")
+                              attn_implementation="sdpa", use_cache=False)  # training: no KV cache
             model, blocks = LlamaForCausalLM(cfg), None
             blocks = list(model.model.layers)
         else:

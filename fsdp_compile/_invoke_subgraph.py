@@ -1,5 +1,6 @@
-"""Two additions to torch 2.13's ``invoke_subgraph``: a Conjugate kernel, which it lacks, and, while our
-compiled step runs, one schema per region and operand layout instead of one per call.
+"""Three additions to torch 2.13's ``invoke_subgraph``: a Conjugate kernel, which it lacks, and, while our
+compiled step runs, one schema per region and operand layout instead of one per call, and a failed attempt
+to record a traced region for reuse that leaves it unrecorded instead of failing the compile.
 
 A region whose forward saves a complex tensor for its backward (complex RoPE: ``view_as_complex(q) *
 freqs_cis``, whose backward multiplies by ``freqs_cis.conj()``) can hand the backward region a tensor with
@@ -20,6 +21,14 @@ answer. A region is one subgraph called once per block, so tracing a Llama-3 70B
 metadata alone, so ``schemas_cached`` keeps it per subgraph (weakly: it goes with the graph) and operand
 layout, for the duration of our compiled call only (``capture.active``): torch's class is as it was
 outside it. Operands with symbolic sizes are not cached.
+
+**Reuse.** A region whose blocks differ in some attribute (HF decoder layers carry their ``layer_idx``) is
+traced for its first block; Dynamo then records the trace with the guards on what it read, and stamps it
+out for a later block whose guards hold (``torch/_dynamo/variables/invoke_subgraph.py``). Recording raises
+where the trace read something its machinery does not handle: a tensor from the enclosing graph that is no
+argument ("Freevar has no source"), or a guard kind it cannot re-check ("unsupported guard type"). Each
+block is then traced as itself, as it would be without reuse: ``reuse_failures_skipped`` makes the
+recording best-effort, during our compiled call only.
 """
 
 from __future__ import annotations
@@ -72,6 +81,39 @@ def schemas_cached():
         yield
     finally:
         cls.gen_schema = original
+
+
+_RECORDING = ("build_reuse_condition", "save_reuse_entry")  # each returns None; the first's None means "do not record"
+
+
+@contextlib.contextmanager
+def reuse_failures_skipped():
+    """Within the block, a trace Dynamo fails to record for reuse stays unrecorded (each call traces anew)."""
+    from torch._dynamo.variables import invoke_subgraph as variables
+
+    originals = {name: getattr(variables, name, None) for name in _RECORDING}
+    if None in originals.values() or any(getattr(f, "fsdp_compile_skips", False) for f in originals.values()):
+        yield  # a torch without them, or nested
+        return
+
+    def skipping(original):
+        def record(*args, **kwargs):
+            try:
+                return original(*args, **kwargs)
+            except (AssertionError, RuntimeError) as e:  # nothing is recorded before the entry is complete
+                variables.hc_log.debug("subgraph_reuse: not recorded (fsdp_compile) -- %s", e)
+                return None
+
+        record.fsdp_compile_skips = True
+        return record
+
+    for name, original in originals.items():
+        setattr(variables, name, skipping(original))
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(variables, name, original)
 
 
 def _layout(operands) -> tuple | None:

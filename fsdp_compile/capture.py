@@ -19,6 +19,7 @@ model with the full tensors. The passes then move each unshard to just before it
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import types
@@ -52,15 +53,16 @@ class _Active:
     def __enter__(self):
         self._prev = (STEP.active, STEP.regions)
         STEP.active, STEP.regions = True, self.regions
-        self._schemas = _invoke_subgraph.schemas_cached()
-        self._schemas.__enter__()
+        self._patches = contextlib.ExitStack()
+        self._patches.enter_context(_invoke_subgraph.schemas_cached())
+        self._patches.enter_context(_invoke_subgraph.reuse_failures_skipped())
         self._saved = [(module, module.logger) for module, _ in self.loggers]
         for module, proxy in self.loggers:
             module.logger = proxy
 
     def __exit__(self, *exc):
         STEP.active, STEP.regions = self._prev
-        self._schemas.__exit__(*exc)
+        self._patches.__exit__(*exc)
         for module, logger in reversed(self._saved):
             module.logger = logger
 
@@ -324,7 +326,8 @@ def unshard_args(plan: ShardingPlan, unit: Unit, index: int, kernels: str, layou
 # A region traces one block and reuses the trace, so nothing that differs between blocks may be read inside
 # it. Blocks whose plain attributes (ints, floats, strings, ...) are all equal share a template block and a
 # reuse key: traced once. Blocks that differ in some attribute (HF decoder layers carry their layer_idx)
-# pass themselves in instead, without a key: Dynamo traces each and keeps one subgraph for identical ones
+# pass themselves in instead, without a key: Dynamo traces the first and reuses that trace for the others
+# where the guards on what it read hold, else traces them too and keeps one subgraph for identical ones
 # (what it would have read differently, it keeps apart). Blocks with hooks inside are left alone.
 
 
@@ -389,9 +392,12 @@ def _make_region(blocks: list[nn.Module], index: int):
 
         return torch.compiler.nested_compile_region(_unique_code(region, f"fsdp_compile_region_{index}"), reuse_hash_fn=_reuse_key), names, False
 
+    # Each block is passed in with its unsharded tensors already in place (traced_forward's functional_call put
+    # them there), so the body sets nothing: Dynamo reuses the first block's trace for every later block whose
+    # guards on what the trace read hold (a layer_idx read by a KV cache's update does not), and traces the
+    # others as themselves. The tensors are operands so that the reuse maps each block's own to the subgraph's.
     def region_of(block, tensors, *args, **kwargs):
-        with _reparametrize_module(block, dict(zip(names, tensors))):
-            return forward(block, *args, **kwargs)
+        return forward(block, *args, **kwargs)
 
     return torch.compiler.nested_compile_region(_unique_code(region_of, f"fsdp_compile_region_{index}")), names, True
 

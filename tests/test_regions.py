@@ -23,9 +23,9 @@ def _region_calls(gm) -> list[str]:
     return [n.args[0].target for n in gm.graph.nodes if n.target is _invoke_subgraph]
 
 
-def test_a_block_is_traced_once(monkeypatch):
-    """Four Llama blocks: Dynamo traces the block's body once and stamps it out three times; the graph
-    calls one subgraph four times, with every all-gather and reduce-scatter at top level."""
+@pytest.fixture
+def traces(monkeypatch):
+    """Counts Dynamo's traces of a region's body and its stamp-outs of a recorded trace."""
     import torch._dynamo.variables.invoke_subgraph as IS
 
     counts = {"traces": 0, "stamp_outs": 0}
@@ -41,6 +41,13 @@ def test_a_block_is_traced_once(monkeypatch):
 
     monkeypatch.setattr(IS.InvokeSubgraphHigherOrderVariable, "create_wrapped_node", counted_trace)
     monkeypatch.setattr(IS, "stamp_out_subgraph", counted_stamp)
+    return counts
+
+
+def test_a_block_is_traced_once(monkeypatch, traces):
+    """Four Llama blocks: Dynamo traces the block's body once and stamps it out three times; the graph
+    calls one subgraph four times, with every all-gather and reduce-scatter at top level."""
+    counts = traces
     # the subgraph's schema (torch re-traces the subgraph for it) is computed once, during our call only
     from torch._higher_order_ops.invoke_subgraph import invoke_subgraph
 
@@ -140,7 +147,11 @@ def test_which_blocks_share_a_region(gloo_world_1):
         assert all(f.fsdp_compile_passes_block for f in forwards)
 
 
-def test_hf_llama_layers_share_a_region():
+@pytest.mark.parametrize("use_cache", [False, True])
+def test_hf_llama_layers_share_a_region(traces, use_cache):
+    """HF decoder layers each carry their own layer_idx, so each is passed in. Without a KV cache the first
+    layer's trace is stamped out for the others (it reads no layer_idx); a cache's update reads it and
+    writes the cache (a side effect, no reuse), so each layer is traced, into one subgraph all the same."""
     transformers = pytest.importorskip("transformers")
     with fake_process_group(2):
         torch.manual_seed(0)
@@ -152,9 +163,31 @@ def test_hf_llama_layers_share_a_region():
         shard(m, m.model.layers)
         compiled = fc.compile(m, backend="aot_eager")
         ids = torch.randint(0, 512, (2, 16))
-        compiled(input_ids=ids, labels=ids).loss.backward()
-    # the decoder layers are called with keyword arguments and each carries its own layer_idx
+        compiled(input_ids=ids, labels=ids, use_cache=use_cache).loss.backward()
+    assert all(b.forward.fsdp_compile_passes_block for b in m.model.layers)
+    assert traces == ({"traces": 3, "stamp_outs": 0} if use_cache else {"traces": 1, "stamp_outs": 2})
+    # the decoder layers are called with keyword arguments
     assert _region_calls(compiled.captured.dynamo[0]) == ["subgraph_0"] * 3
+
+
+def test_a_trace_dynamo_cannot_record_is_not_reused(monkeypatch, traces, gloo_world_1):
+    """Where torch fails to record a trace for reuse (here made to), each block is traced as itself."""
+    import torch._dynamo.variables.invoke_subgraph as IS
+
+    def fails(*a, **k):
+        raise AssertionError("Freevar has no source")
+
+    monkeypatch.setattr(IS, "save_reuse_entry", fails)
+    torch.manual_seed(0)
+    m = Mixed()
+    shard(m, [*m.same, *m.differ, *m.wide, m.lonely])
+    compiled = fc.compile(m, backend="aot_eager")
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        expected = m(x)  # eager FSDP2
+    assert torch.equal(compiled(x), expected)
+    assert IS.save_reuse_entry is fails  # torch's module as it was
+    assert traces == {"traces": 6, "stamp_outs": 0}  # 5 traces and 1 stamp-out without the failure
 
 
 # --- region admission (passes/regions.py), on Dynamo graphs without FSDP -----------------------------------
