@@ -317,10 +317,11 @@ def _named_collective_failures():
 def _make_step(model, plan, schedule, kernels, key: tuple):
     # each unit's op arguments, encoded once, outside the trace (a constant string in the graph)
     unshard_arguments = [capture.unshard_args(plan, u, i, kernels, key[i]).encode() for i, u in enumerate(schedule.units)]
+    places = capture.parameter_places(model, [p.fqn for u in schedule.units for p in capture.unit_params(plan, u)])
 
     def step(shards, sinks, accumulated, extensions, *args, **kwargs):
-        return capture.traced_forward(model, plan, schedule, unshard_arguments, key, shards, sinks, accumulated,
-                                      extensions, args, kwargs)
+        return capture.traced_forward(model, plan, schedule, unshard_arguments, key, places, shards, sinks,
+                                      accumulated, extensions, args, kwargs)
 
     return step
 

@@ -419,3 +419,38 @@ def test_no_rank_in_the_graphs(reshard, ranks, kernels):
                 for g in graphs.dynamo + graphs.forward + graphs.backward
             ]
     assert code[ranks[0]] == code[ranks[1]]
+
+
+class _Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(8, 4)
+        self.block = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 8, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        return self.head(self.block(self.embed(ids)))
+
+
+def test_call_with_is_functional_call():
+    """``capture.call_with`` (the model run on the gathered tensors) computes what torch's
+    ``functional_call(tie_weights=True)`` computes, tied aliases included, and puts the parameters back,
+    also when the forward raises."""
+    from fsdp_compile import capture
+
+    torch.manual_seed(0)
+    m = _Tied()
+    originals = dict(nn.Module.named_parameters(m, remove_duplicate=False))
+    new = {n: torch.randn_like(p) for n, p in m.named_parameters()}  # the tied weight under one name
+    places = capture.parameter_places(m, list(new))
+    assert places["embed.weight"] == ((m.embed, "weight"), (m.head, "weight"))
+    ids = torch.tensor([[1, 2, 3]])
+    expected = torch.func.functional_call(m, new, (ids,), tie_weights=True)
+    assert torch.equal(capture.call_with(m, places, new, (ids,), {}), expected)
+    with pytest.raises(IndexError):
+        capture.call_with(m, places, new, (torch.tensor([[9]]),), {})  # out of the embedding's range
+    after = dict(nn.Module.named_parameters(m, remove_duplicate=False))
+    assert after.keys() == originals.keys() and all(after[n] is p for n, p in originals.items())
+    with pytest.raises(ValueError, match="no parameter 'block.gone'"):
+        capture.parameter_places(m, ["block.gone"])

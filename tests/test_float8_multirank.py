@@ -153,10 +153,12 @@ def test_float8_only_modules_run_where_eager_fsdp2_cannot(results):
         assert [dtype for dtype, _ in r["forward_gathers"]].count("torch.uint8") == 14, r["forward_gathers"]
 
 
-def test_precomputed_scales_compile_once_more(results):
-    """The first step all-reduces each weight's amax in fsdp_pre_all_gather; from the second on the scale
-    precomputed after the optimizer step is used: a new metadata layout, one more graph, then none."""
-    assert results[0]["fp32-precompute"]["dynamo_graphs"] == 2
+def test_precomputed_scales_do_not_recompile(results):
+    """The first step all-reduces each weight's amax in fsdp_pre_all_gather (eager, before the graph); from the
+    second on the scale precomputed after the optimizer step is used. The graph's inputs keep their layout, so
+    it is not compiled again (until 2026-11-26 it was, once: functional_call's walk over the parameters had
+    Dynamo guard on the float8 weights' inner tensors, which the precomputed scale adds to)."""
+    assert results[0]["fp32-precompute"]["dynamo_graphs"] == 1
     assert results[0]["fp32-no-reshard"]["dynamo_graphs"] == 1
 
 
