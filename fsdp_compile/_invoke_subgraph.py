@@ -1,6 +1,6 @@
 """Three additions to torch 2.13's ``invoke_subgraph``: a Conjugate kernel, which it lacks, and, while our
-compiled step runs, one schema per region and operand layout instead of one per call, and a failed attempt
-to record a traced region for reuse that leaves it unrecorded instead of failing the compile.
+compiled step runs, one schema per region and operand layout instead of one per call, and two checks on
+Dynamo's reuse of a region's trace for another block.
 
 A region whose forward saves a complex tensor for its backward (complex RoPE: ``view_as_complex(q) *
 freqs_cis``, whose backward multiplies by ``freqs_cis.conj()``) can hand the backward region a tensor with
@@ -24,11 +24,17 @@ outside it. Operands with symbolic sizes are not cached.
 
 **Reuse.** A region whose blocks differ in some attribute (HF decoder layers carry their ``layer_idx``) is
 traced for its first block; Dynamo then records the trace with the guards on what it read, and stamps it
-out for a later block whose guards hold (``torch/_dynamo/variables/invoke_subgraph.py``). Recording raises
-where the trace read something its machinery does not handle: a tensor from the enclosing graph that is no
-argument ("Freevar has no source"), or a guard kind it cannot re-check ("unsupported guard type"). Each
-block is then traced as itself, as it would be without reuse: ``reuse_failures_skipped`` makes the
-recording best-effort, during our compiled call only.
+out for a later block whose guards hold (``torch/_dynamo/variables/invoke_subgraph.py``). ``reuse_checked``
+adds two things, during our compiled call only:
+
+* Dynamo guards on what the trace read from the objects as they were before the step, but an attribute the
+  enclosing forward wrote earlier in the same trace (``block.scale = ...`` in the parent's loop) is read
+  from that pending write, unguarded: the first block's value would be stamped out for every block. A block
+  with such a write on it or any of its submodules is neither recorded nor served from a record (traced as
+  itself).
+* Recording raises where the trace read something its machinery does not handle: a tensor from the
+  enclosing graph that is no argument ("Freevar has no source"), or a guard kind it cannot re-check
+  ("unsupported guard type"). The trace then stays unrecorded instead of failing the compile.
 """
 
 from __future__ import annotations
@@ -86,13 +92,26 @@ def schemas_cached():
 _RECORDING = ("build_reuse_condition", "save_reuse_entry")  # each returns None; the first's None means "do not record"
 
 
+def _written_block(tx, fingerprint) -> bool:
+    """Whether a module among the region call's operands, or a submodule of one, has an attribute written
+    earlier in this trace (Dynamo's pending ``store_attr`` mutations)."""
+    written = {id(getattr(vt, "value", None)) for vt in tx.output.side_effects.store_attr_mutations}
+    for _, vt in fingerprint.flat_vts:
+        module = getattr(vt, "value", None)
+        if isinstance(module, torch.nn.Module) and any(id(m) in written for m in module.modules()):
+            return True
+    return False
+
+
 @contextlib.contextmanager
-def reuse_failures_skipped():
-    """Within the block, a trace Dynamo fails to record for reuse stays unrecorded (each call traces anew)."""
+def reuse_checked():
+    """Within the block, Dynamo neither records nor reuses a region trace for a block written to earlier in
+    the trace, and a trace it fails to record stays unrecorded (each call traces anew)."""
     from torch._dynamo.variables import invoke_subgraph as variables
 
-    originals = {name: getattr(variables, name, None) for name in _RECORDING}
-    if None in originals.values() or any(getattr(f, "fsdp_compile_skips", False) for f in originals.values()):
+    names = (*_RECORDING, "is_reuse_eligible", "is_reusable")
+    originals = {name: getattr(variables, name, None) for name in names}
+    if None in originals.values() or any(getattr(f, "fsdp_compile_checks", False) for f in originals.values()):
         yield  # a torch without them, or nested
         return
 
@@ -104,11 +123,24 @@ def reuse_failures_skipped():
                 variables.hc_log.debug("subgraph_reuse: not recorded (fsdp_compile) -- %s", e)
                 return None
 
-        record.fsdp_compile_skips = True
         return record
 
-    for name, original in originals.items():
-        setattr(variables, name, skipping(original))
+    def eligible(tx, body_r, fingerprint, *args, **kwargs):
+        if _written_block(tx, fingerprint):
+            variables.hc_log.debug("subgraph_reuse: not eligible (fsdp_compile) -- a block written in this trace")
+            return False
+        return originals["is_reuse_eligible"](tx, body_r, fingerprint, *args, **kwargs)
+
+    def reusable(tx, condition, fingerprint, *args, **kwargs):
+        if _written_block(tx, fingerprint):
+            return False
+        return originals["is_reusable"](tx, condition, fingerprint, *args, **kwargs)
+
+    patched = {name: skipping(originals[name]) for name in _RECORDING}
+    patched.update(is_reuse_eligible=eligible, is_reusable=reusable)
+    for name, fn in patched.items():
+        fn.fsdp_compile_checks = True
+        setattr(variables, name, fn)
     try:
         yield
     finally:

@@ -55,7 +55,7 @@ class _Active:
         STEP.active, STEP.regions = True, self.regions
         self._patches = contextlib.ExitStack()
         self._patches.enter_context(_invoke_subgraph.schemas_cached())
-        self._patches.enter_context(_invoke_subgraph.reuse_failures_skipped())
+        self._patches.enter_context(_invoke_subgraph.reuse_checked())
         self._saved = [(module, module.logger) for module, _ in self.loggers]
         for module, proxy in self.loggers:
             module.logger = proxy

@@ -190,6 +190,42 @@ def test_a_trace_dynamo_cannot_record_is_not_reused(monkeypatch, traces, gloo_wo
     assert traces == {"traces": 6, "stamp_outs": 0}  # 5 traces and 1 stamp-out without the failure
 
 
+class _Indexed(nn.Module):
+    def __init__(self, i: int):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.index, self.k = i, 1.0
+
+    def forward(self, x):
+        return self.lin(x) * self.k
+
+
+class _SetsBlockAttributes(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(_Indexed(i) for i in range(3))
+
+    def forward(self, x):
+        for i, block in enumerate(self.blocks):
+            block.k = float(i + 1)  # written in the forward, before the block runs
+            x = block(x)
+        return x
+
+
+def test_a_block_written_in_the_forward_is_traced_as_itself(traces, gloo_world_1):
+    """Dynamo reads an attribute written earlier in the same trace from that write, without a guard; reusing
+    the first block's trace would scale every block by its k. Such a block is traced as itself."""
+    torch.manual_seed(0)
+    m = _SetsBlockAttributes()
+    shard(m, list(m.blocks))
+    compiled = fc.compile(m, backend="aot_eager")
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        expected = m(x)  # eager FSDP2
+    assert torch.equal(compiled(x), expected)
+    assert traces == {"traces": 3, "stamp_outs": 0}
+
+
 # --- region admission (passes/regions.py), on Dynamo graphs without FSDP -----------------------------------
 
 
