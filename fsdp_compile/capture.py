@@ -370,10 +370,13 @@ def unshard_args(plan: ShardingPlan, unit: Unit, index: int, kernels: str, layou
 # (what it would have read differently, it keeps apart). Blocks with hooks inside are left alone.
 
 
+_PLAIN = (int, float, str, bool, type(None))
+
+
 def _plain_attributes(module: nn.Module) -> tuple:
     out = []
     for name, sub in nn.Module.named_modules(module):
-        attrs = tuple(sorted((k, v) for k, v in vars(sub).items() if isinstance(v, (int, float, str, bool, type(None)))))
+        attrs = tuple(sorted((k, v) for k, v in vars(sub).items() if isinstance(v, _PLAIN)))
         out.append((name, attrs))
     return tuple(out)
 
@@ -494,7 +497,8 @@ def install_regions(model: nn.Module, plan: ShardingPlan) -> tuple[list[list[str
         region, names, pass_block = _make_region(blocks, index)
         for block in blocks:
             previous = block.__dict__.get("forward")
-            block.forward = _regional_forward(block, region, names, pass_block)
+            pairs = () if pass_block or block is blocks[0] else _attribute_pairs(block, blocks[0])
+            block.forward = _regional_forward(block, region, names, pass_block, pairs)
             forwards.append((block, previous, block.forward))
     return repeated, forwards
 
@@ -505,11 +509,32 @@ def _get(module: nn.Module, dotted: str):
     return module
 
 
-def _regional_forward(block: nn.Module, region, names, pass_block: bool):
+def _attribute_pairs(block: nn.Module, template: nn.Module) -> tuple:
+    """``(submodule of block, the template's, attribute name)`` for every plain attribute of the block."""
+    subs, out = dict(nn.Module.named_modules(template)), []
+    for path, sub in nn.Module.named_modules(block):
+        out += [(sub, subs[path], key) for key, value in vars(sub).items() if isinstance(value, _PLAIN)]
+    return tuple(out)
+
+
+def _written_apart(pairs) -> bool:
+    """Whether a block of a template region has a plain attribute that differs from the template's now: the
+    model's forward wrote it (``block.scale = ...`` in the parent's loop), in the trace. Dynamo reads both
+    (the write included) and folds the comparison; unwritten attributes are guarded, as any read is."""
+    for mine, template, key in pairs:
+        a, b = getattr(mine, key), getattr(template, key)
+        if a != b and (a == a or b == b):  # NaN equals NaN here
+            return True
+    return False
+
+
+def _regional_forward(block: nn.Module, region, names, pass_block: bool, pairs: tuple = ()):
     own = getattr(block.forward, "fsdp_compile_own_forward", block.forward)  # the bound method of its class
 
     def forward(*args, **kwargs):
         if not (STEP.active and STEP.regions):
+            return own(*args, **kwargs)
+        if pairs and _written_apart(pairs):  # the template's trace would run with the template's values
             return own(*args, **kwargs)
         # the unsharded tensors that traced_forward's call_with put in place, as the region's inputs
         tensors = tuple(_get(block, n) for n in names)

@@ -200,10 +200,20 @@ class _Indexed(nn.Module):
         return self.lin(x) * self.k
 
 
-class _SetsBlockAttributes(nn.Module):
+class _Scaled(nn.Module):
     def __init__(self):
         super().__init__()
-        self.blocks = nn.ModuleList(_Indexed(i) for i in range(3))
+        self.lin = nn.Linear(8, 8)
+        self.k = 1.0
+
+    def forward(self, x):
+        return self.lin(x) * self.k
+
+
+class _SetsBlockAttributes(nn.Module):
+    def __init__(self, indexed: bool = True):
+        super().__init__()
+        self.blocks = nn.ModuleList(_Indexed(i) if indexed else _Scaled() for i in range(3))
 
     def forward(self, x):
         for i, block in enumerate(self.blocks):
@@ -212,18 +222,22 @@ class _SetsBlockAttributes(nn.Module):
         return x
 
 
-def test_a_block_written_in_the_forward_is_traced_as_itself(traces, gloo_world_1):
+@pytest.mark.parametrize("indexed", [True, False])
+def test_a_block_written_in_the_forward_runs_as_itself(traces, gloo_world_1, indexed):
     """Dynamo reads an attribute written earlier in the same trace from that write, without a guard; reusing
-    the first block's trace would scale every block by its k. Such a block is traced as itself."""
+    the first block's trace would scale every block by its k. Blocks passed in (their indices differ) are
+    each traced as themselves; blocks of a template region (all attributes equal before the step) whose
+    written value differs from the template's run inline."""
     torch.manual_seed(0)
-    m = _SetsBlockAttributes()
+    m = _SetsBlockAttributes(indexed)
     shard(m, list(m.blocks))
     compiled = fc.compile(m, backend="aot_eager")
     x = torch.randn(4, 8)
     with torch.no_grad():
         expected = m(x)  # eager FSDP2
     assert torch.equal(compiled(x), expected)
-    assert traces == {"traces": 3, "stamp_outs": 0}
+    # the template region: only the template itself (the others inline)
+    assert traces == ({"traces": 3, "stamp_outs": 0} if indexed else {"traces": 1, "stamp_outs": 0})
 
 
 # --- region admission (passes/regions.py), on Dynamo graphs without FSDP -----------------------------------
