@@ -89,6 +89,12 @@ def schemas_cached():
         cls.gen_schema = original
 
 
+# Dynamo's guard-based reuse (blocks passed in, no reuse key) is trusted on torch 2.13 only, where the
+# tests hold it bitwise. Measured on 2.14.1: blocks that differ in a float attribute read in forward were
+# served the first block's trace (tests/test_regions.py::test_which_blocks_share_a_region, wrong outputs).
+# Elsewhere every such block is traced as itself, as before reuse.
+GUARDED_REUSE = torch.__version__.startswith("2.13.")
+
 _RECORDING = ("build_reuse_condition", "save_reuse_entry")  # each returns None; the first's None means "do not record"
 
 
@@ -126,6 +132,9 @@ def reuse_checked():
         return record
 
     def eligible(tx, body_r, fingerprint, *args, **kwargs):
+        keyed = kwargs.get("has_reuse_hash_fn", args[2] if len(args) > 2 else False)
+        if not keyed and not GUARDED_REUSE:
+            return False
         if _written_block(tx, fingerprint):
             variables.hc_log.debug("subgraph_reuse: not eligible (fsdp_compile) -- a block written in this trace")
             return False

@@ -13,6 +13,7 @@ import torch.nn as nn
 import fsdp_compile as fc
 from dist_helpers import fake_process_group
 from fsdp_compile import capture
+from fsdp_compile._invoke_subgraph import GUARDED_REUSE
 from fsdp_compile.report import count_collectives
 from models import Llama, LlamaArgs, shard
 
@@ -165,7 +166,8 @@ def test_hf_llama_layers_share_a_region(traces, use_cache):
         ids = torch.randint(0, 512, (2, 16))
         compiled(input_ids=ids, labels=ids, use_cache=use_cache).loss.backward()
     assert all(b.forward.fsdp_compile_passes_block for b in m.model.layers)
-    assert traces == ({"traces": 3, "stamp_outs": 0} if use_cache else {"traces": 1, "stamp_outs": 2})
+    reused = not use_cache and GUARDED_REUSE  # torch 2.13 only
+    assert traces == ({"traces": 1, "stamp_outs": 2} if reused else {"traces": 3, "stamp_outs": 0})
     # the decoder layers are called with keyword arguments
     assert _region_calls(compiled.captured.dynamo[0]) == ["subgraph_0"] * 3
 
