@@ -295,10 +295,8 @@ def parameter_places(model: nn.Module, fqns) -> dict[str, tuple[tuple[nn.Module,
                 holders[id(param)].append((module, name))
     out = {}
     for fqn in fqns:
-        *path, name = fqn.split(".")
-        module = model
-        for part in path:
-            module = getattr(module, part)
+        path, _, name = fqn.rpartition(".")
+        module = _get(model, path) if path else model
         param = module._parameters.get(name)
         if param is None:
             raise ValueError(f"fsdp_compile: no parameter {fqn!r} on the model: call fsdp_compile.compile again")
