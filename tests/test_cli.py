@@ -112,29 +112,70 @@ USER_MODULE = textwrap.dedent('''
 ''')
 
 
-@pytest.mark.parametrize(
-    "args, message",
-    [
-        (["explain", "--model", "no_such_module:build"], "cannot import 'no_such_module'"),
-        (["explain", "--model", "usermodels:missing"], "has no function 'missing'"),
-        (["explain", "--model", "usermodels:unsharded"], "no module sharded by fully_shard"),
-        (["explain", "--model", "tiny", "--bucket", "sometimes"], "bucket must be one of"),
-        (["dump", "--model", "tiny", "--out", "/proc/forbidden"], "is not writable"),
-        (["report", "/nonexistent"], "is not a fsdp-compile dump"),
-        (["explain", "--model", "usermodels:raises"], "raises() raised RuntimeError: boom: the user's builder failed"),
-        (["explain", "--model", "usermodels:wrong"], "wrong() must return (model, args) or (model, args, kwargs)"),
-        (["explain", "--model", "tiny", "--hardware", "tpu"], "hardware must be one of"),
-        (["explain", "--model", "tiny", "ENV:FSDP_COMPILE_DUMP=usermodels.py/dump"], "$FSDP_COMPILE_DUMP='usermodels.py/dump' is not a directory"),
-    ],
-)
-def test_errors_are_one_line_exit_2(tmp_path, args, message):
-    (tmp_path / "usermodels.py").write_text(USER_MODULE)
-    env = dict(a[len("ENV:"):].split("=", 1) for a in args if a.startswith("ENV:"))
-    proc = run([a for a in args if not a.startswith("ENV:")], tmp_path, env, timeout=120)
+ERRORS = [
+    (["explain", "--model", "no_such_module:build"], "cannot import 'no_such_module'"),
+    (["explain", "--model", "usermodels:missing"], "has no function 'missing'"),
+    (["explain", "--model", "usermodels:unsharded"], "no module sharded by fully_shard"),
+    (["explain", "--model", "tiny", "--bucket", "sometimes"], "bucket must be one of"),
+    (["dump", "--model", "tiny", "--out", "/proc/forbidden"], "is not writable"),
+    (["report", "/nonexistent"], "is not a fsdp-compile dump"),
+    (["explain", "--model", "usermodels:raises"], "raises() raised RuntimeError: boom: the user's builder failed"),
+    (["explain", "--model", "usermodels:wrong"], "wrong() must return (model, args) or (model, args, kwargs)"),
+    (["explain", "--model", "tiny", "--hardware", "tpu"], "hardware must be one of"),
+    (["explain", "--model", "tiny", "ENV:FSDP_COMPILE_DUMP=usermodels.py/dump"], "$FSDP_COMPILE_DUMP='usermodels.py/dump' is not a directory"),
+]
+
+# Every case through the CLI's main() in one subprocess (one torch import, not ten): its exit code, its stderr,
+# and any exception that escaped main() as a traceback (which the test then finds in stderr).
+_DRIVER = textwrap.dedent('''
+    import contextlib, io, json, os, sys, traceback
+    from fsdp_compile.debug.cli import main
+    results = []
+    for args in json.loads(sys.argv[1]):
+        env = dict(a[len("ENV:"):].split("=", 1) for a in args if a.startswith("ENV:"))
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            try:
+                code = main([a for a in args if not a.startswith("ENV:")])
+            except SystemExit as e:
+                code = e.code
+            except BaseException:
+                traceback.print_exc()
+                code = None
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+        results.append({"code": code, "stderr": err.getvalue()})
+    print(json.dumps(results))
+''')
+
+
+@pytest.fixture(scope="module")
+def errors(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("cli_errors")
+    (tmp / "usermodels.py").write_text(USER_MODULE)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", _DRIVER, json.dumps([a for a, _ in ERRORS])], capture_output=True,
+                          text=True, timeout=300, env=env, cwd=tmp)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", range(len(ERRORS)), ids=[m[:40] for _, m in ERRORS])
+def test_errors_are_one_line_exit_2(errors, case):
+    result, message = errors[case], ERRORS[case][1]
+    assert result["code"] == 2, result
+    lines = [line for line in result["stderr"].splitlines() if line.startswith("fsdp-compile: error:")]
+    assert len(lines) == 1 and message in lines[0], result["stderr"]
+    assert "Traceback" not in result["stderr"]
+
+
+def test_an_error_exits_2_from_the_command(tmp_path):
+    """The same through the command users type: `python -m fsdp_compile.debug.cli` exits with main()'s 2."""
+    proc = run(["report", "/nonexistent"], tmp_path, timeout=120)
     assert proc.returncode == 2, (proc.returncode, proc.stderr)
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("fsdp-compile: error:")]
-    assert len(errors) == 1 and message in errors[0], proc.stderr
-    assert "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("fsdp-compile: error:") and "Traceback" not in proc.stderr
 
 
 @pytest.mark.slow
