@@ -21,6 +21,8 @@ Variants (each its own model from the same seed, AdamW, the same batches):
                     of communication would reach (every rank computes its own batch, as in the others);
                     with --tp, the same TP model without FSDP: TP's collectives stay, FSDP's are gone
   fc                fsdp_compile.compile(model): the default (bucket="auto", reorder=True, regions)
+  comm-only         fc's collectives alone, no compute (CommOnly says how): with compute-only, the floors
+                    of a step where the ranks share their cores with gloo (CPU), printed after the table
   fc:fsdp_group     one collective per FSDP module, where eager FSDP2 issues them (reorder=False)
   fc:no-regions     the default without regions (every block compiled on its own)
   simplefsdp        a peer, when torchtitan is importable: torchtitan's SimpleFSDP (graph_trainer's
@@ -158,7 +160,7 @@ def compile_simple_fsdp(model: torch.nn.Module, model_name: str, backend: str):
 
 
 # The variants, in the order they run (each its own model; the module docstring says what each is)
-VARIANTS = ["eager", "torch.compile", "compute-only", "fc", "fc:fsdp_group", "fc:no-regions", "simplefsdp"]
+VARIANTS = ["eager", "torch.compile", "compute-only", "fc", "comm-only", "fc:fsdp_group", "fc:no-regions", "simplefsdp"]
 FLOAT8_VARIANTS = ["eager", "eager:float8-ag", "torch.compile", "compute-only", "fc", "fc:no-regions", "fc:float8-ag"]
 FC_OVERRIDES = {"fc:fsdp_group": dict(bucket="fsdp_group", reorder=False), "fc:no-regions": dict(regions=False)}
 SHARD_WITH = {"compute-only": False, "simplefsdp": "simplefsdp"}  # build()'s ``sharded`` (default: fully_shard)
@@ -282,6 +284,56 @@ class Variant:
         return {k: fw[k] + bw[k] for k in fw} | {"bytes": sum(nbytes.values())}
 
 
+class CommOnly(Variant):
+    """The ``fc`` variant's collectives alone: the all-gathers, reduce-scatters and all-reduces of its first
+    forward and backward graphs, the same functional ops on buffers of the same sizes, dtypes and groups,
+    issued in the graphs' order and waited for at the end, with no compute. ``cpu_times``: the process's CPU
+    time per step (all its threads, user and system). Where the ranks' compute keeps every core busy (CPU
+    ranks with gloo), each CPU second of communication is taken from compute: compute-only + comm-only's
+    CPU time is then the step's floor, between max(compute-only, comm-only) (a perfect overlap on idle
+    hardware) and compute-only + comm-only (no overlap at all)."""
+
+    def __init__(self, fc_variant: Variant, device: torch.device):
+        self.name, self.model_name, self.fc, self.device = "comm-only", fc_variant.model_name, fc_variant, device
+        self.calls = None
+        self.times, self.peaks, self.cpu_times = [], [], []
+        self.first_step_s, self.peak_bytes, self.loss, self.eager_calls, self.eager_bytes = None, 0, None, None, None
+
+    def _replay(self) -> list:
+        from fsdp_compile.passes.predicates import counted_kind
+
+        def fresh(a):
+            if isinstance(a, torch.fx.Node):
+                val = a.meta["val"]
+                return torch.zeros(val.shape, dtype=val.dtype, device=self.device)
+            return [fresh(x) for x in a] if isinstance(a, (list, tuple)) else a
+
+        captured = self.fc.runner.captured
+        return [(n.target, fresh(n.args), fresh(n.kwargs)) for gm in captured.forward[:1] + captured.backward[:1]
+                for n in gm.graph.nodes if counted_kind(n)]
+
+    def step(self, tokens: torch.Tensor) -> float:
+        if self.calls is None:  # after the fc variant's first step, which captured its graphs
+            self.calls = self._replay()
+        dist.barrier()
+        t0, c0 = time.perf_counter(), time.process_time()
+        outs = [op(*args, **kwargs) for op, args, kwargs in self.calls]
+        for out in outs:
+            for t in out if isinstance(out, (list, tuple)) else (out,):
+                torch.ops._c10d_functional.wait_tensor(t)
+        if tokens.is_cuda:
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        self.cpu_times.append(time.process_time() - c0)
+        return dt
+
+    def predicted_ms(self, stage: str = "after") -> None:
+        return None
+
+    def in_graph_collectives(self) -> dict | None:
+        return self.fc.in_graph_collectives()  # the same collectives, replayed
+
+
 def batch(step: int, rank: int, vocab: int, device, batch_size: int, seq: int):
     g = torch.Generator().manual_seed(10_000 * rank + step)
     start = torch.randint(0, vocab, (batch_size, 1), generator=g)
@@ -338,7 +390,10 @@ def main():
         if why:
             skipped["simplefsdp"] = why
             names = [n for n in names if n != "simplefsdp"]
-    makers = {name: make_variant(name, args.model, args.backend) for name in names}
+    if "comm-only" in names and (args.tp > 1 or "fc" not in names):
+        names.remove("comm-only")
+        skipped["comm-only"] = "replays the fc variant's FSDP collectives: needs fc, and no --tp (TP's would count too)"
+    makers = {name: make_variant(name, args.model, args.backend) for name in names if name != "comm-only"}
     if args.tp > 1 and not args.variants:
         # measured alone (--variants torch.compile): torch 2.13's Inductor fails on this FSDP2 + TP model
         # ("Please convert all Tensors to FakeTensors first", aten.equal), and the state it leaves behind
@@ -348,6 +403,8 @@ def main():
                                     "with --variants torch.compile")
     variants = [Variant(name, args.model, device, make, sharded=SHARD_WITH.get(name, True), tp=args.tp,
                         float8_ag=float8_ag.get(name), mp=args.mp) for name, make in makers.items()]
+    if "comm-only" in names:
+        variants.insert(names.index("comm-only"), CommOnly(variants[names.index("fc")], device))
     say(f"compiled_vs_eager: '{args.model}', {world} ranks ({dist.get_backend()}), backend={args.backend}, "
         f"batch {args.batch} x {args.seq}" + (f", FSDP {world // args.tp} x TP {args.tp}" if args.tp > 1 else "")
         + (", torchao float8 Linears" if args.float8 else "") + (f", mixed precision {args.mp}" if args.mp else "")
@@ -427,8 +484,10 @@ def main():
             "peak_bytes": v.peak_bytes,
             "peak_bytes_per_step": v.peaks,
             "final_loss": v.loss,
-            "final_loss_delta_vs_eager": abs(v.loss - eager.loss),
+            "final_loss_delta_vs_eager": None if v.loss is None else abs(v.loss - eager.loss),
         }
+        if isinstance(v, CommOnly):  # its timed steps follow its two warm-up steps
+            results[v.name]["median_cpu_s"] = H.summarize(v.cpu_times[2:2 + len(v.times)])["median_step_s"]
 
     say("\n| variant | median ms | p10-p90 ms | vs eager | predicted ms | first step s | Python c10d calls/step | in-graph AG/RS | collective MB/step | step peak MiB | final loss (Δ vs eager) |")
     say("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -438,15 +497,23 @@ def main():
             f"| {name} | {r['median_step_s'] * 1e3:.1f} | {r['p10_step_s'] * 1e3:.1f}-{r['p90_step_s'] * 1e3:.1f} | "
             f"{r['ratio_vs_eager']:.2f}x | {'-' if r['predicted_step_ms'] is None else format(r['predicted_step_ms'], '.1f')} | {r['first_step_s']:.1f} | {r['eager_c10d_calls_per_step']} | {graph} | "
             f"{'-' if r['collective_bytes_per_step'] is None else format(r['collective_bytes_per_step'] / 1e6, '.3f')} | "
-            f"{r['peak_bytes'] / 2**20:.1f} | {r['final_loss']:.5f} ({r['final_loss_delta_vs_eager']:.1e}) |"
+            f"{r['peak_bytes'] / 2**20:.1f} | "
+            + ("-" if r["final_loss"] is None else f"{r['final_loss']:.5f} ({r['final_loss_delta_vs_eager']:.1e})") + " |"
         )
     tc, bound = results.get("torch.compile"), results.get("compute-only")
-    peer = results.get("simplefsdp")
+    peer, comm = results.get("simplefsdp"), results.get("comm-only")
+    floor = bound["median_step_s"] + comm["median_cpu_s"] if bound and comm else None
+    if floor:
+        say(f"comm-only: {comm['median_step_s'] * 1e3:.1f} ms, the process busy {comm['median_cpu_s'] * 1e3:.1f} ms of it "
+            f"(CPU time). Step floors: max(compute-only, comm-only) {max(bound['median_step_s'], comm['median_step_s']) * 1e3:.1f} ms; "
+            f"compute-only + comm-only's CPU time {floor * 1e3:.1f} ms (every core busy with compute); "
+            f"compute-only + comm-only {(bound['median_step_s'] + comm['median_step_s']) * 1e3:.1f} ms (no overlap)")
     for name, r in results.items():
         if name.startswith("fc") or name == "simplefsdp":
             say(
                 f"{name}: {r['ratio_vs_eager']:.2f}x eager"
                 + (f", {r['median_step_s'] / bound['median_step_s']:.2f}x the compute-only bound" if bound else "")
+                + (f", {r['median_step_s'] / floor:.2f}x compute-only + comm-only's CPU time" if floor else "")
                 + (f", {r['median_step_s'] / tc['median_step_s']:.2f}x torch.compile step time" if tc else "")
                 + f"; peak {r['peak_bytes'] / results['eager']['peak_bytes']:.2f}x eager's"
                 + (f"; first step {r['first_step_s'] / tc['first_step_s']:.2f}x torch.compile's" if tc else "")
@@ -467,6 +534,12 @@ def main():
             "skipped": skipped,
             "variants": results,
         }
+        if floor:
+            payload["step_floors_s"] = {
+                "max(compute-only, comm-only)": max(bound["median_step_s"], comm["median_step_s"]),
+                "compute-only + comm-only's CPU time": floor,
+                "compute-only + comm-only": bound["median_step_s"] + comm["median_step_s"],
+            }
         if device.type == "cuda":  # which GPU produced these numbers
             import triton
 
