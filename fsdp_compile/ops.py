@@ -39,7 +39,7 @@ from torch import Tensor
 
 from fsdp_compile import kernels as K  # registers the copy ops: a graph from the compile caches calls them untraced
 from fsdp_compile._annotations import REDUCE_SCATTER, UNSHARD, annotate
-from fsdp_compile._layout import inner_numel, padded_rows, rank_rows
+from fsdp_compile._layout import padded_rows, rank_rows
 
 _c10d = torch.ops._c10d_functional
 
@@ -185,17 +185,18 @@ def unshard_impl(shards: list[Tensor], args: UnshardArgs, payloads: Sequence[Ten
         if any(args.payloads):  # all-gather extensions: torch ops (the Triton copy kernels take parameters only)
             return _unshard_payloads(shards, args, payloads)
         full_shapes = [(d, *s.shape[1:]) for s, d in zip(shards, args.dim0s)]
-        if c.kernels == "triton":  # one launch for the copy-in
-            rank = _rank_of_rows(args.dim0s, [s.shape[0] for s in shards], c.world_size)
-            flat = K.all_gather_copy_in(shards, full_shapes, c.world_size, rank, dtype=args.param_dtype, impl="triton")
-        else:  # torch ops, traced into the graph: Inductor fuses the pad and cast with their neighbours
-            flat = _copy_in(shards, args.dim0s, c.world_size, args.param_dtype)
+        # The copies on either side of a collective are ops (fsdp_compile.kernels), a Triton launch or their
+        # torch reference (FSDP2's own copies), here and in reduce_scatter_grads_impl. Traced as torch ops (a
+        # reshape, pad and cast per parameter, then a cat; a slice, clone and view per parameter) they made
+        # most of the top-level graphs' nodes per block, and Inductor's compile time grows with those nodes
+        # (its C++ code generation alone spends about 7 ms on each). The copy-out as an op: the cold first
+        # step of an 8-layer HF Llama 61.5 -> 51.8 s (fake process group). The copy-ins and the gradients'
+        # copy-out too: 16 layers on 2 gloo ranks 73.3 -> 61.8 s (two alternating runs each), 20
+        # layers in one process 69.9 -> 60.6 s; the step within noise (HF Llama, 2 ranks: 0.85x -> 0.88x
+        # eager's in two alternating runs each), its peak lower (86.8 -> 74.8 and 82.2 MiB).
+        rank = _rank_of_rows(args.dim0s, [s.shape[0] for s in shards], c.world_size)
+        flat = K.all_gather_copy_in(shards, full_shapes, c.world_size, rank, dtype=args.param_dtype, impl=c.kernels)
         gathered = _c10d.wait_tensor(_c10d.all_gather_into_tensor(flat, c.world_size, c.group_name))
-        # The copy-out is one op (fsdp_compile.kernels), a Triton launch or its torch reference (FSDP2's own
-        # split_with_sizes_copy). Traced as torch ops (a slice, clone and view per parameter) it tripled the
-        # top-level graphs' nodes per block, and Inductor's compile time grows with them: a cold first step
-        # of an 8-layer HF Llama took 19% longer (61.5 s against 51.8 s, fake process group), for no gain in
-        # step time or median step peak (bench/compiled_vs_eager.py on 2 gloo ranks, side by side: within 3%).
         return K.all_gather_copy_out(gathered, full_shapes, c.world_size, impl=c.kernels)
 
 
@@ -247,10 +248,7 @@ def reduce_scatter_grads_impl(grads: list[Tensor], args: ReduceScatterArgs) -> l
     """pack -> reduce-scatter -> wait -> unpack, with FSDP2's divide factors, annotated like the unshard."""
     c, r = args.comm, args.reduction
     with annotate(REDUCE_SCATTER, c.fsdp_groups, c.unit):
-        if c.kernels == "triton":
-            packed = K.reduce_scatter_copy_in(grads, c.world_size, dtype=r.dtype, impl="triton")
-        else:
-            packed = _pack_grads(grads, c.world_size, r.dtype)
+        packed = K.reduce_scatter_copy_in(grads, c.world_size, dtype=r.dtype, impl=c.kernels)  # unshard_impl says why an op
         op = r.op
         if op == "premul_sum":  # NCCL's PREMUL_SUM: scale each input, then sum
             packed, op = packed * r.pre_factor, "sum"
@@ -264,45 +262,15 @@ def reduce_scatter_grads_impl(grads: list[Tensor], args: ReduceScatterArgs) -> l
             reduced = _c10d.wait_tensor(_c10d.all_reduce(reduced, r.all_reduce_op, r.all_reduce_group))
         if r.post_factor is not None:
             reduced = reduced / r.post_factor
-        if c.kernels == "triton":
-            full_shapes = [tuple(g.shape) for g in grads]
-            rank = _rank_of_rows([g.shape[0] for g in grads], args.local_rows, c.world_size)
-            return K.reduce_scatter_copy_out(reduced, full_shapes, c.world_size, rank, dtype=args.orig_dtype, impl="triton")
-        return _unpack_grads(reduced, grads, args.local_rows, c.world_size, args.orig_dtype)
-
-
-def _pack_grads(grads: Sequence[Tensor], world_size: int, dtype: torch.dtype) -> Tensor:
-    # packed: [W * sum(n_i)]; rank r's chunk holds rows [r*c_i, (r+1)*c_i) of every grad i (FSDP2's chunk_cat)
-    chunks = []
-    for g in grads:
-        d = g.shape[0]
-        c = padded_rows(d, world_size)
-        x = g.to(dtype)
-        if world_size * c != d:
-            x = torch.constant_pad_nd(x, [0, 0] * (x.dim() - 1) + [0, world_size * c - d])
-        chunks.append(x.reshape(world_size, -1))
-    return torch.cat(chunks, dim=1).reshape(-1) if len(chunks) > 1 else chunks[0].reshape(-1)
-
-
-def _unpack_grads(reduced: Tensor, grads, local_rows, world_size: int, dtype: torch.dtype) -> list[Tensor]:
-    # reduced: [sum(n_i)], this rank's chunk; returns each shard gradient with its unpadded local rows
-    outs, offset = [], 0
-    for g, rows in zip(grads, local_rows):
-        c = padded_rows(g.shape[0], world_size)
-        tail = tuple(g.shape[1:])
-        n = c * inner_numel((c, *tail))
-        shard = reduced[offset : offset + n].view(c, *tail)
-        if rows != c:
-            shard = shard[:rows]
-        outs.append(shard.to(dtype))
-        offset += n
-    return outs
+        full_shapes = [tuple(g.shape) for g in grads]
+        rank = _rank_of_rows([g.shape[0] for g in grads], args.local_rows, c.world_size)
+        return K.reduce_scatter_copy_out(reduced, full_shapes, c.world_size, rank, dtype=args.orig_dtype, impl=c.kernels)
 
 
 # --- the ops -------------------------------------------------------------------------------------------
 # Eager calls only (compiled graphs use DECOMPOSITIONS): a custom op's outputs may not alias each other or
-# its inputs, and some decompositions' outputs are views of one buffer (all-gather extensions' payloads, the
-# gradients' unpack), hence the clones.
+# its inputs, and some decompositions' outputs are views of one buffer (all-gather extensions' payloads),
+# hence the clones.
 
 
 @torch.library.custom_op("fsdp_compile::unshard", mutates_args=())

@@ -56,10 +56,10 @@ def test_triton_kernels_equal_torch_copies(case):
     for rank, r in enumerate(run_ranks(kernels_worker, 2, case, timeout=600)):
         assert r["loss"]["torch"] == r["loss"]["triton"], (rank, r["loss"])
         assert max(r["grad_diff"]) == 0.0 and max(r["param_diff"]) == 0.0, (rank, r)
-        # the triton run's graphs hold our four copy ops; the torch run's the copy-out alone (ops.py)
-        assert r["graph_ops"]["torch"] == ["fsdp_compile.all_gather_copy_out.default"], r["graph_ops"]
-        assert {op.split(".")[1] for op in r["graph_ops"]["triton"]} == {
-            "all_gather_copy_in", "all_gather_copy_out", "reduce_scatter_copy_in", "reduce_scatter_copy_out",
-        }, r["graph_ops"]
+        # both runs' graphs hold our four copy ops, and nothing else of ours (ops.py), whatever runs them
+        for kernels in ("torch", "triton"):
+            assert {op.split(".")[1] for op in r["graph_ops"][kernels]} == {
+                "all_gather_copy_in", "all_gather_copy_out", "reduce_scatter_copy_in", "reduce_scatter_copy_out",
+            }, r["graph_ops"]
         # 4 copies per unit of the schedule and step (gather in, gather out, grad pack, grad unpack), plus re-gathers
         assert r["launches"] >= 3 * 4 * r["units"], (r["launches"], r["units"])

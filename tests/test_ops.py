@@ -7,7 +7,7 @@ import torch.distributed as dist
 import fsdp_compile  # noqa: F401  (registers the ops)
 from fsdp_compile._layout import padded_rows
 from fsdp_compile import kernels as K
-from fsdp_compile.ops import Comm, Reduction, ReduceScatterArgs, UnshardArgs, _copy_in, _pack_grads, _unpack_grads
+from fsdp_compile.ops import Comm, Reduction, ReduceScatterArgs, UnshardArgs, _copy_in
 
 SHAPES = [(5, 3), (1,), (7,), (2, 4, 3), (8, 2)]
 
@@ -39,8 +39,11 @@ def test_all_gather_layout_matches_fsdp2(world_size, dtype):
     flats = []
     for rank in range(world_size):
         shards = [local_shard(f, world_size, rank) for f in fulls]
-        ours = _copy_in(shards, dim0s, world_size, dtype)
+        # the op the graphs hold (its torch implementation, as on CPU), and the traced copy-in of units with
+        # all-gather extensions
+        ours = K.all_gather_copy_in(shards, [tuple(f.shape) for f in fulls], world_size, rank, dtype=dtype, impl="torch")
         assert torch.equal(ours, fsdp_copy_in(shards, dim0s, world_size, rank, dtype or torch.float32))
+        assert torch.equal(_copy_in(shards, dim0s, world_size, dtype), ours)
         flats.append(ours)
     # an all-gather concatenates rank-major; copy-out (the op the graphs hold) gives the full parameters
     # back, padding trimmed
@@ -54,7 +57,7 @@ def test_all_gather_layout_matches_fsdp2(world_size, dtype):
 def test_reduce_scatter_pack_matches_fsdp2(world_size):
     torch.manual_seed(world_size)
     grads = [torch.randn(s, dtype=torch.bfloat16) for s in SHAPES]
-    ours = _pack_grads(grads, world_size, torch.float32)
+    ours = K.reduce_scatter_copy_in(grads, world_size, dtype=torch.float32, impl="torch")  # the op the graphs hold
     # FSDP2: padded copies into a [W, -1] buffer with torch.ops.fsdp.chunk_cat (which casts)
     padded = []
     for g in grads:
@@ -69,7 +72,9 @@ def test_reduce_scatter_pack_matches_fsdp2(world_size):
     for rank in range(world_size):
         chunk = ours.view(world_size, -1)[rank]
         rows = [local_shard(g, world_size, rank).shape[0] for g in grads]
-        for got, g in zip(_unpack_grads(chunk, grads, rows, world_size, torch.bfloat16), grads):
+        outs = K.reduce_scatter_copy_out(chunk, [tuple(g.shape) for g in grads], world_size, rank, dtype=torch.bfloat16, impl="torch")
+        assert [o.shape[0] for o in outs] == rows
+        for got, g in zip(outs, grads):
             assert torch.equal(got, local_shard(g, world_size, rank))
 
 
