@@ -230,8 +230,6 @@ def logits_of(model_name: str, out):
 class Variant:
     def __init__(self, name: str, model_name: str, device: torch.device, make, sharded: bool | str = True, tp: int = 1,
                  float8_ag: bool | None = None, mp: str | None = None):
-        self.name = name
-        self.model_name = model_name
         self.model = build(model_name, device, sharded, tp, float8_ag, mp)
         self.precompute = None  # with the float8 all-gather: torchao's scale precompute, after each optimizer step
         if float8_ag:
@@ -240,6 +238,11 @@ class Variant:
             self.precompute = precompute_float8_dynamic_scale_for_fsdp
         self.runner = make(self.model)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=3e-3)
+        self._records(name, model_name)
+
+    def _records(self, name: str, model_name: str) -> None:
+        """What the run records per variant (main fills them in)."""
+        self.name, self.model_name = name, model_name
         self.times: list[float] = []
         self.first_step_s = None
         self.peak_bytes = 0
@@ -294,10 +297,10 @@ class CommOnly(Variant):
     hardware) and compute-only + comm-only (no overlap at all)."""
 
     def __init__(self, fc_variant: Variant, device: torch.device):
-        self.name, self.model_name, self.fc, self.device = "comm-only", fc_variant.model_name, fc_variant, device
+        self._records("comm-only", fc_variant.model_name)  # no model of its own: Variant's records only
+        self.fc, self.device = fc_variant, device
         self.calls = None
-        self.times, self.peaks, self.cpu_times = [], [], []
-        self.first_step_s, self.peak_bytes, self.loss, self.eager_calls, self.eager_bytes = None, 0, None, None, None
+        self.cpu_times: list[float] = []
 
     def _replay(self) -> list:
         from fsdp_compile.passes.predicates import counted_kind
