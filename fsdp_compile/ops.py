@@ -60,8 +60,8 @@ class Comm:
     unit: int  # its unit in the schedule (``passes.schedule``): how the passes find it in every graph
     group_name: str  # the c10d process group the functional collective runs on
     world_size: int
-    kernels: str  # "torch": copies traced as torch ops, but the copy-out: its op run by torch (unshard_impl)
-    #               "triton": every copy a fsdp_compile.kernels op, one launch each
+    kernels: str  # how the fsdp_compile.kernels copy ops around each collective run (unshard_impl): "torch"
+    #               their torch references, "triton" one Triton launch each
 
 
 @dataclasses.dataclass(frozen=True)
