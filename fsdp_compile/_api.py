@@ -315,13 +315,12 @@ def _named_collective_failures():
 
 
 def _make_step(model, plan, schedule, kernels, key: tuple):
-    # each unit's op arguments, encoded once, outside the trace (a constant string in the graph)
-    unshard_arguments = [capture.unshard_args(plan, u, i, kernels, key[i]).encode() for i, u in enumerate(schedule.units)]
-    places = capture.parameter_places(model, [p.fqn for u in schedule.units for p in capture.unit_params(plan, u)])
+    # what the trace reads of each unit (its op arguments encoded: a constant string in the graph), found once
+    units = capture.unit_traces(plan, schedule, kernels, key)
+    places = capture.parameter_places(model, [fqn for u in units for fqn in u.fqns])
 
     def step(shards, sinks, accumulated, extensions, *args, **kwargs):
-        return capture.traced_forward(model, plan, schedule, unshard_arguments, key, places, shards, sinks,
-                                      accumulated, extensions, args, kwargs)
+        return capture.traced_forward(model, units, key, places, shards, sinks, accumulated, extensions, args, kwargs)
 
     return step
 

@@ -24,6 +24,7 @@ import logging
 import sys
 import types
 import weakref
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -253,41 +254,68 @@ def attach(model: nn.Module, plan: ShardingPlan) -> Attachment:
     return Attachment(model, installed)
 
 
+class UnitTrace(NamedTuple):
+    """What ``traced_forward`` reads of one schedule unit, found once outside the trace (Dynamo traces every
+    read: walking the plan for a unit's parameters cost about 15 ms of tracing per unit)."""
+
+    arguments: str  # its encoded ``UnshardArgs`` (``unshard_args``), a constant of the graph
+    params: tuple[ParamPlan, ...]  # ``unit_params``: the parameters its op takes and returns, in order
+    fqns: tuple[str, ...]
+    parallel: tuple | None  # per parameter, its TP/EP spec (``ParamPlan.parallel``); None where no parameter has one
+    members: tuple[str, ...]
+    param_dtype: torch.dtype | None
+
+
+def unit_traces(plan: ShardingPlan, schedule: Schedule, kernels: str, key: tuple) -> list[UnitTrace]:
+    out = []
+    for i, unit in enumerate(schedule.units):
+        params = tuple(unit_params(plan, unit))
+        parallel = tuple(p.parallel for p in params)
+        out.append(UnitTrace(
+            unshard_args(plan, unit, i, kernels, key[i]).encode(), params, tuple(p.fqn for p in params),
+            parallel if any(x is not None for x in parallel) else None, unit.members, plan.group(unit.members[0]).param_dtype,
+        ))
+    return out
+
+
 def traced_forward(
-    model: nn.Module, plan: ShardingPlan, schedule: Schedule, unshard_arguments: list[str], key: tuple, places: dict,
-    shards: list[list[torch.Tensor]], sinks: list[list], accumulated: list[list], extensions: list[list], args, kwargs
+    model: nn.Module, units: list[UnitTrace], key: tuple, places: dict, shards: list[list[torch.Tensor]],
+    sinks: list[list], accumulated: list[list], extensions: list[list], args, kwargs
 ):
     """The function Dynamo captures: one ``fsdp_compile::unshard`` per unit of the schedule (``shards[i]``:
-    the local shards of ``unit_params(plan, schedule.units[i])``; ``unshard_arguments[i]``: its encoded
-    ``UnshardArgs``, made before tracing; ``sinks[i]`` / ``accumulated[i]``: gradient accumulation without
-    sync, see the op; ``key[i]`` / ``extensions[i]``: its all-gather extensions, ``_extensions.prepare``),
-    then the model on the full parameters (``places``: ``parameter_places``)."""
+    the local shards of ``units[i].params``, whose op arguments ``units[i].arguments`` were encoded before
+    tracing; ``sinks[i]`` / ``accumulated[i]``: gradient accumulation without sync, see the op; ``key[i]`` /
+    ``extensions[i]``: its all-gather extensions, ``_extensions.prepare``), then the model on the full
+    parameters (``places``: ``parameter_places``)."""
     full = {}
-    for i, (unit, unit_shards) in enumerate(zip(schedule.units, shards)):
-        params = unit_params(plan, unit)
+    for i, (unit, unit_shards) in enumerate(zip(units, shards)):
         if key[i] is None:
-            gathered = torch.ops.fsdp_compile.unshard(unit_shards, sinks[i], accumulated[i], [], unshard_arguments[i])
-            full.update({p.fqn: t if p.parallel is None else _as_dtensor(t, p.parallel) for p, t in zip(params, gathered)})
+            gathered = torch.ops.fsdp_compile.unshard(unit_shards, sinks[i], accumulated[i], [], unit.arguments)
+            if unit.parallel is None:
+                for fqn, t in zip(unit.fqns, gathered):
+                    full[fqn] = t
+            else:
+                for fqn, spec, t in zip(unit.fqns, unit.parallel, gathered):
+                    full[fqn] = t if spec is None else _as_dtensor(t, spec)
             continue
         selves, payloads, metadatas = _extensions.split(extensions[i], key[i])
-        outs = iter(torch.ops.fsdp_compile.unshard(unit_shards, sinks[i], accumulated[i], payloads, unshard_arguments[i]))
-        dtype = plan.group(unit.members[0]).param_dtype
+        outs = iter(torch.ops.fsdp_compile.unshard(unit_shards, sinks[i], accumulated[i], payloads, unit.arguments))
         with annotate(UNSHARD, unit.members, i):  # part of the unit's unshard chain (re-gathered for reshard_after_forward)
-            for p, layout in zip(params, key[i]):
+            for p, layout in zip(unit.params, key[i]):
                 if layout is None:
                     full[p.fqn] = next(outs)
                     continue
                 outputs = [next(outs) for _ in range(layout.n_inputs)]
                 full[p.fqn] = _extensions.post_all_gather(
-                    selves.pop(0), outputs, metadatas.pop(0), next(outs), dtype or p.orig_dtype, p.extension, p.fqn)
+                    selves.pop(0), outputs, metadatas.pop(0), next(outs), unit.param_dtype or p.orig_dtype, p.extension, p.fqn)
     return call_with(model, places, full, args, kwargs)
 
 
-def parameter_places(model: nn.Module, fqns) -> dict[str, tuple[tuple[nn.Module, str], ...]]:
-    """Where each parameter ``fqns`` names is held: ``(module, name)`` with ``module._parameters[name]`` the
-    parameter, every alias of a tied one included (``functional_call(tie_weights=True)``'s untying).
-    Found once, outside the trace: Dynamo traced ``functional_call``'s walk of every module's parameters on
-    every compile, 0.35 s per layer of an HF Llama."""
+def parameter_places(model: nn.Module, fqns) -> dict[str, tuple[tuple[dict, str], ...]]:
+    """Where each parameter ``fqns`` names is held: ``(module._parameters, name)`` for every module that holds
+    it, every alias of a tied one included (``functional_call(tie_weights=True)``'s untying). Found once,
+    outside the trace: Dynamo traced ``functional_call``'s walk of every module's parameters on every
+    compile, 0.35 s per layer of an HF Llama (and reading ``module._parameters`` in the trace, 1 ms each)."""
     holders: dict[int, list[tuple[nn.Module, str]]] = {}
     for _, module in nn.Module.named_modules(model, remove_duplicate=False):
         for name, param in module._parameters.items():
@@ -300,7 +328,7 @@ def parameter_places(model: nn.Module, fqns) -> dict[str, tuple[tuple[nn.Module,
         param = module._parameters.get(name)
         if param is None:
             raise ValueError(f"fsdp_compile: no parameter {fqn!r} on the model: call fsdp_compile.compile again")
-        out[fqn] = tuple(holders[id(param)])
+        out[fqn] = tuple((holder._parameters, key) for holder, key in holders[id(param)])
     return out
 
 
@@ -311,13 +339,13 @@ def call_with(model: nn.Module, places: dict, tensors: dict[str, torch.Tensor], 
     saved = []
     try:
         for fqn, tensor in tensors.items():
-            for module, name in places[fqn]:
-                saved.append((module, name, module._parameters[name]))
-                module._parameters[name] = tensor
+            for held, name in places[fqn]:
+                saved.append((held, name, held[name]))
+                held[name] = tensor
         return model(*args, **kwargs)
     finally:
-        for module, name, param in reversed(saved):
-            module._parameters[name] = param
+        for held, name, param in reversed(saved):
+            held[name] = param
 
 
 def _as_dtensor(local: torch.Tensor, spec):
@@ -425,8 +453,10 @@ def _make_region(blocks: list[nn.Module], index: int):
     template = blocks[0]
     names = tuple(n for n, _ in nn.Module.named_parameters(template)) + tuple(n for n, _ in nn.Module.named_buffers(template))
     forward = type(template).forward
+    n = len(names)
     if len({_plain_attributes(b) for b in blocks}) == 1:
-        def region(tensors, *args, **kwargs):
+        def region(spec, *operands):
+            tensors, args, kwargs = _unflatten_call(spec, n, operands)
             with _reparametrize_module(template, dict(zip(names, tensors))):
                 return forward(template, *args, **kwargs)
 
@@ -526,8 +556,20 @@ def _written_apart(pairs) -> bool:
     return False
 
 
+def _holders(block: nn.Module, names) -> tuple:
+    """Per dotted name (a parameter's or buffer's), the ``_parameters`` or ``_buffers`` dict that holds it and
+    its key there, found once: Dynamo traced the ``getattr`` walk down to each at about 2 ms a tensor."""
+    out = []
+    for dotted in names:
+        path, _, key = dotted.rpartition(".")
+        module = _get(block, path) if path else block
+        out.append((module._parameters if key in module._parameters else module._buffers, key))
+    return tuple(out)
+
+
 def _regional_forward(block: nn.Module, region, names, pass_block: bool, pairs: tuple = ()):
     own = getattr(block.forward, "fsdp_compile_own_forward", block.forward)  # the bound method of its class
+    holders = _holders(block, names)
 
     def forward(*args, **kwargs):
         if not (STEP.active and STEP.regions):
@@ -535,15 +577,65 @@ def _regional_forward(block: nn.Module, region, names, pass_block: bool, pairs: 
         if pairs and _written_apart(pairs):  # the template's trace would run with the template's values
             return own(*args, **kwargs)
         # the unsharded tensors that traced_forward's call_with put in place, as the region's inputs
-        tensors = tuple(_get(block, n) for n in names)
+        tensors = tuple([held[key] for held, key in holders])
         if pass_block:
             return region(block, tensors, *args, **kwargs)
-        return region(tensors, *args, **kwargs)
+        spec, operands = _flatten_call(tensors, args, kwargs)
+        return region(spec, *operands)
 
     forward.fsdp_compile_region = region
     forward.fsdp_compile_passes_block = pass_block  # blocks differ in an attribute: each traced as itself
     forward.fsdp_compile_own_forward = own
     return forward
+
+
+# A region call whose operands are all leaves (tensors, constants, modules), with no keyword arguments, is
+# fingerprinted by Dynamo without tracing pytree (``build_input_fingerprint``'s fast path): the pytree path
+# cost about 50 ms of tracing per block (16 layers, Dynamo's profiler). A template region's call (tensors,
+# positional arguments, keyword arguments whose values are leaves or tuples/lists of leaves) goes in flat,
+# its structure in ``spec``, a constant string (so part of the fingerprint, and of the reuse key); any other
+# call goes in as ``(tensors, args, kwargs)`` with ``spec`` None, through pytree. Not for blocks passed in
+# (``region_of``): on the fast path Dynamo (2.13) reused the first block's trace for blocks that differ in a
+# float attribute it read (``test_which_blocks_share_a_region``: wrong outputs), where the pytree path
+# traces each; a template region's blocks have equal attributes, and its reuse is keyed (``_reuse_key``).
+
+_LEAVES = (torch.Tensor, bool, int, float, str, type(None))
+
+
+def _flatten_call(tensors: tuple, args: tuple, kwargs: dict) -> tuple:
+    """``(spec, operands)`` for the region call of one block (``_unflatten_call`` inverts it)."""
+    flat, parts = list(tensors), []
+    for key, value in [*(("*", a) for a in args), *kwargs.items()]:  # "*": positional
+        if isinstance(value, _LEAVES):  # inline: Dynamo traces every call of a helper
+            parts.append(key)
+            flat.append(value)
+        elif type(value) in (tuple, list) and all(isinstance(v, _LEAVES) for v in value):
+            parts.append(f"{key}:{type(value).__name__}:{len(value)}")
+            flat.extend(value)
+        else:
+            return None, (tensors, args, kwargs)
+    return "|".join(parts), tuple(flat)
+
+
+def _unflatten_call(spec: str | None, n: int, operands: tuple) -> tuple:
+    """``(tensors, args, kwargs)`` from ``_flatten_call``'s ``(spec, operands)``; ``n``: the block's tensors."""
+    if spec is None:
+        return operands
+    tensors, rest, args, kwargs = operands[:n], list(operands[n:]), [], {}
+    for part in spec.split("|") if spec else ():
+        key, _, kind = part.partition(":")
+        if kind:
+            container, _, size = kind.partition(":")
+            value = rest[: int(size)]
+            rest = rest[int(size):]
+            value = tuple(value) if container == "tuple" else list(value)
+        else:
+            value = rest.pop(0)
+        if key == "*":
+            args.append(value)
+        else:
+            kwargs[key] = value
+    return tensors, tuple(args), kwargs
 
 
 def _unique_code(fn, name: str):

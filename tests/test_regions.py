@@ -329,3 +329,22 @@ def test_complex_region_trains():
     torch._dynamo.reset()
     torch.compile(fn, backend="aot_eager", fullgraph=True)(x, freqs).pow(2).sum().backward()
     assert torch.equal(x.grad, expected)
+
+
+def test_a_block_call_goes_in_flat():
+    """A block's call reaches its region as leaves and a constant string (Dynamo's fingerprint fast path),
+    and the region rebuilds exactly the call; a call with any other value goes in through pytree."""
+    t, u = torch.zeros(1), torch.ones(2)
+    calls = [
+        ((t,), {}),  # nn.Sequential: one positional
+        ((), {}),
+        ((t, (t, u)), {"mask": None, "rope": (t, u), "sizes": [1, 2], "cache": False, "name": "x"}),
+    ]
+    for args, kwargs in calls:
+        spec, operands = capture._flatten_call((u, t), args, kwargs)
+        assert isinstance(spec, str) and all(isinstance(o, capture._LEAVES) for o in operands)
+        tensors, args2, kwargs2 = capture._unflatten_call(spec, 2, operands)
+        assert tensors == (u, t) and args2 == args and kwargs2 == kwargs and type(kwargs2["rope"] if kwargs else ()) is tuple
+    odd = ((t,), {"cache": object()})
+    spec, operands = capture._flatten_call((u,), *odd)
+    assert spec is None and capture._unflatten_call(spec, 1, operands) == ((u,), *odd)
