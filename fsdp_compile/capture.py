@@ -256,7 +256,8 @@ def attach(model: nn.Module, plan: ShardingPlan) -> Attachment:
 
 class UnitTrace(NamedTuple):
     """What ``traced_forward`` reads of one schedule unit, found once outside the trace (Dynamo traces every
-    read: walking the plan for a unit's parameters cost about 15 ms of tracing per unit)."""
+    read: walking the plan for a unit's parameters and its group cost about 17 ms of tracing per unit, HF
+    Llama at 16 layers, Dynamo's profiler)."""
 
     arguments: str  # its encoded ``UnshardArgs`` (``unshard_args``), a constant of the graph
     params: tuple[ParamPlan, ...]  # ``unit_params``: the parameters its op takes and returns, in order
@@ -267,6 +268,7 @@ class UnitTrace(NamedTuple):
 
 
 def unit_traces(plan: ShardingPlan, schedule: Schedule, kernels: str, key: tuple) -> list[UnitTrace]:
+    """``UnitTrace`` of every unit of ``schedule``, for the all-gather extension key ``key``."""
     out = []
     for i, unit in enumerate(schedule.units):
         params = tuple(unit_params(plan, unit))
