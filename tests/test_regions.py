@@ -45,33 +45,70 @@ def traces(monkeypatch):
     return counts
 
 
-def test_a_block_is_traced_once(monkeypatch, traces):
+@pytest.fixture
+def schemas(monkeypatch):
+    """Every invoke_subgraph schema we answer from a graph at hand (regions.py's ATen trace of a body, or
+    AOTAutograd's ATen forward and backward parts of a region) checked equal to the one torch's gen_schema
+    traces the subgraph for; the identifiers answered, in order. Torch's own gen_schema, called for any
+    other subgraph, is counted under ``None``."""
+    from torch._higher_order_ops.invoke_subgraph import invoke_subgraph
+
+    from fsdp_compile import _invoke_subgraph as IS
+
+    hop = type(invoke_subgraph)
+    torchs = hop.gen_schema
+    aten_form, schema_from_aten = IS.aten_form, IS.schema_from_aten
+    asked, answered = [], []
+
+    def recording_aten_form(subgraph):
+        asked.append(subgraph)
+        return aten_form(subgraph)
+
+    def checked_schema(op, aten, identifier, operands):
+        ours = schema_from_aten(op, aten, identifier, operands)
+        assert str(ours) == str(torchs(op, asked[-1], identifier, *operands)), identifier
+        answered.append(identifier)
+        return ours
+
+    def counted_torchs(op, *args, **kwargs):
+        answered.append(None)
+        return torchs(op, *args, **kwargs)
+
+    monkeypatch.setattr(IS, "aten_form", recording_aten_form)
+    monkeypatch.setattr(IS, "schema_from_aten", checked_schema)
+    monkeypatch.setattr(hop, "gen_schema", counted_torchs)
+    yield answered
+    assert hop.gen_schema is counted_torchs  # torch's class as it was after our call
+
+
+def test_a_block_is_traced_once(traces, schemas):
     """Four Llama blocks: Dynamo traces the block's body once and stamps it out three times; the graph
     calls one subgraph four times, with every all-gather and reduce-scatter at top level."""
     counts = traces
-    # the subgraph's schema (torch re-traces the subgraph for it) is computed once, during our call only
-    from torch._higher_order_ops.invoke_subgraph import invoke_subgraph
-
-    hop = type(invoke_subgraph)
-    schema = hop.gen_schema
-
-    def counted_schema(self, *a, **k):
-        counts["schemas"] = counts.get("schemas", 0) + 1
-        return schema(self, *a, **k)
-
-    monkeypatch.setattr(hop, "gen_schema", counted_schema)
     with fake_process_group(2):
         torch.manual_seed(0)
         m = Llama(LlamaArgs(n_layers=4))
         compiled = fc.compile(shard(m, m.layers), backend="aot_eager", bucket="fsdp_group")
         compiled(torch.randint(0, 256, (2, 16))).sum().backward()
-    # one schema each for the region, its forward part and its backward part (10 without the cache)
-    assert counts == {"traces": 1, "stamp_outs": 3, "schemas": 3}
-    assert hop.gen_schema is counted_schema  # torch's class as it was
+    assert counts == {"traces": 1, "stamp_outs": 3}
+    # the schemas of the region, its forward part and its backward part, one per operand layout (10 asked
+    # for), come from graphs at hand: torch traces none of them again
+    assert schemas == ["subgraph_0", "fw_subgraph_0", "bw_subgraph_0_0"], schemas
     assert not any(b.forward.fsdp_compile_passes_block for b in m.layers)  # equal attributes: one template
     assert _region_calls(compiled.captured.dynamo[0]) == ["subgraph_0"] * 4
     assert count_collectives(compiled.captured.dynamo) == {"all_gathers": 0, "reduce_scatters": 0, "all_reduces": 0}
     assert count_collectives(compiled.captured.forward)["all_gathers"] == 5  # the unshards, decomposed at top level
+
+
+def test_schemas_of_a_checkpointed_block_equal_torchs(schemas):
+    """A region holding a checkpoint (checkpoint_wrapper blocks): its body nests a higher-order op."""
+    from parity import Case, build
+
+    with fake_process_group(2):
+        compiled = fc.compile(build(Case(model="llama_ac")), backend="aot_eager")
+        compiled(torch.randint(0, 256, (2, 16))).sum().backward()
+    assert compiled.regions()[0]["region"], compiled.regions()
+    assert {"subgraph_0", "fw_subgraph_0", "bw_subgraph_0_0"} <= set(schemas), schemas
 
 
 @pytest.mark.slow
@@ -149,7 +186,7 @@ def test_which_blocks_share_a_region(gloo_world_1):
 
 
 @pytest.mark.parametrize("use_cache", [False, True])
-def test_hf_llama_layers_share_a_region(traces, use_cache):
+def test_hf_llama_layers_share_a_region(traces, schemas, use_cache):
     """HF decoder layers each carry their own layer_idx, so each is passed in. Without a KV cache the first
     layer's trace is stamped out for the others (it reads no layer_idx); a cache's update reads it and
     writes the cache (a side effect, no reuse), so each layer is traced, into one subgraph all the same."""
@@ -170,6 +207,7 @@ def test_hf_llama_layers_share_a_region(traces, use_cache):
     assert traces == ({"traces": 1, "stamp_outs": 2} if reused else {"traces": 3, "stamp_outs": 0})
     # the decoder layers are called with keyword arguments
     assert _region_calls(compiled.captured.dynamo[0]) == ["subgraph_0"] * 3
+    assert None not in schemas and "bw_subgraph_0_0" in schemas, schemas  # passed-in blocks too
 
 
 def test_a_trace_dynamo_cannot_record_is_not_reused(monkeypatch, traces, gloo_world_1):

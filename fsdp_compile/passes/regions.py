@@ -31,6 +31,8 @@ import re
 import torch
 import torch.fx as fx
 
+from fsdp_compile._invoke_subgraph import ATEN_FORMS
+
 _INVOKE_SUBGRAPH = torch.ops.higher_order.invoke_subgraph
 _CHECKPOINT = torch.ops.higher_order.tag_activation_checkpoint
 _REGION_NAME = re.compile(r"\bin (fsdp_compile_region_\d+)\b")
@@ -157,7 +159,9 @@ def _to_aten(body: fx.GraphModule, fake_mode) -> fx.GraphModule:
             if isinstance(t, torch.Tensor) else t
             for t in inputs
         ]
-        return make_fx(body, pre_dispatch=False)(*fakes)
+        aten = make_fx(body, pre_dispatch=False)(*fakes)
+    ATEN_FORMS[body] = aten  # invoke_subgraph's schema of this body, asked for by AOTAutograd, reads it
+    return aten
 
 
 def _writes_input(node: fx.Node, gm: fx.GraphModule) -> bool:
