@@ -440,13 +440,15 @@ def find_repeated_blocks(model: nn.Module, plan: ShardingPlan) -> list[list[str]
     return [fqns for fqns in kinds.values() if len(fqns) >= 2]
 
 
-def _reuse_key(*args, **kwargs) -> int:
-    """What the template trace depends on besides the block: the inputs' dtypes, ranks, requires_grad."""
-    leaves = torch.utils._pytree.tree_leaves((args, kwargs))
-    return hash(tuple(
+def _reuse_key(spec, *operands) -> int:
+    """What the template trace depends on besides the block: the call's structure (``_flatten_call``'s spec)
+    and its operands' dtypes, ranks, requires_grad. Dynamo traces it at every call of the region: a flat call
+    is hashed as it is (a pytree walk cost 16 ms a call), the rare nested one through its leaves."""
+    leaves = operands if spec is not None else torch.utils._pytree.tree_leaves(operands)
+    return hash((spec, *[
         (t.dtype, t.dim(), t.requires_grad) if isinstance(t, torch.Tensor) else (type(t).__name__, repr(t))
         for t in leaves
-    ))
+    ]))
 
 
 def _make_region(blocks: list[nn.Module], index: int):
