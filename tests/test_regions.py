@@ -386,3 +386,23 @@ def test_a_block_call_goes_in_flat():
     odd = ((t,), {"cache": object()})
     spec, operands = capture._flatten_call((u,), *odd)
     assert spec is None and capture._unflatten_call(spec, 1, operands) == ((u,), *odd)
+
+
+def test_the_reuse_key_of_a_block_call():
+    """A template region's trace is reused for calls with the same structure and the same dtypes, ranks and
+    requires_grad of their tensors; any of these differing keys it apart, nested calls included."""
+    t, u = torch.zeros(1), torch.ones(2, 3)
+
+    def key(tensors, args, kwargs):
+        spec, operands = capture._flatten_call(tensors, args, kwargs)
+        return capture._reuse_key(spec, *operands)  # as the region is called
+
+    base = key((u, t), (t,), {"mask": None})
+    assert key((u + 1, t + 1), (t + 1,), {"mask": None}) == base
+    assert key((u, t), (t.double(),), {"mask": None}) != base
+    assert key((u, t), (t.reshape(1, 1),), {"mask": None}) != base
+    assert key((u, t.clone().requires_grad_()), (t,), {"mask": None}) != base
+    assert key((u, t), (t,), {"mask": None, "cache": False}) != base
+    assert key((u, t), (), {"x": t, "mask": None}) != base  # the same leaves, another structure
+    nested = {"cache": {"k": t}}
+    assert key((u,), (t,), nested) == key((u,), (t,), {"cache": {"k": t}}) != key((u,), (t,), {"cache": {"k": t.double()}})
