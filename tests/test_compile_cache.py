@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.inductor
+pytestmark = [pytest.mark.inductor, pytest.mark.multirank]  # two processes per job: real gloo ranks
 
 SCRIPT = r"""
 import json, sys, torch, torch.distributed as dist
