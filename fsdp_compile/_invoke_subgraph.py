@@ -39,11 +39,18 @@ adds two things, during our compiled call only:
 * Recording raises where the trace read something its machinery does not handle: a tensor from the
   enclosing graph that is no argument ("Freevar has no source"), or a guard kind it cannot re-check
   ("unsupported guard type"). The trace then stays unrecorded instead of failing the compile.
+
+and two savings on the way to a reuse: a call is fingerprinted (the leaves it matches a record by) without
+tracing ``pytree.tree_flatten`` through Dynamo where the call is plain (``_fingerprint``), and the check of
+a record re-sources each of its sources once (``_clones_shared``). Dynamo's reuse lookups of a 16-layer HF
+Llama went from 1.34 s to 0.13 s of its compile (fingerprints 0.95 -> 0.003 s, checks 0.42 -> 0.12 s; one
+process, fake process group).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 
 import torch
@@ -160,13 +167,97 @@ def _written_block(tx, fingerprint) -> bool:
     return False
 
 
+class _NotPlain(Exception):
+    pass
+
+
+_LEAF = object()  # what a classified operand stands for in the mirror (pytree takes it for a leaf)
+_LEAF_CONSTANTS = (int, float, bool, str, bytes, complex, type(None))  # None too: a leaf to torch's pytree
+
+
+def _mirror(vt, flat: list):
+    """The region call's operand ``vt`` as Python lists, tuples and dicts around ``_LEAF``s, its
+    leaves appended to ``flat`` as ``(tag, vt)`` in pytree's order. ``_NotPlain`` for anything else (a
+    namedtuple, a dict subclass, a leaf Dynamo's reuse does not classify): pytree's path decides those."""
+    from torch._dynamo.variables import ConstantVariable, ConstDictVariable, ListVariable, TupleVariable
+    from torch._dynamo.variables import invoke_subgraph as variables
+    from torch._dynamo.variables.lazy import LazyVariableTracker
+
+    real = vt.realize() if type(vt) is LazyVariableTracker else vt
+    kind = type(real)
+    if kind is ListVariable or kind is TupleVariable:
+        items = [_mirror(item, flat) for item in real.items]
+        return items if kind is ListVariable else tuple(items)
+    if kind is ConstDictVariable and real.user_cls is dict:
+        try:
+            items = real.keys_as_python_constant()
+        except NotImplementedError:  # a key that is no constant
+            raise _NotPlain from None
+        return {key: _mirror(item, flat) for key, item in items.items()}
+    if kind is ConstantVariable and type(real.value) not in _LEAF_CONSTANTS:
+        raise _NotPlain
+    tag = variables.classify_vt(real)
+    if tag is None:
+        raise _NotPlain
+    flat.append((tag, real))  # realized, as pytree's path hands it back
+    return _LEAF
+
+
+def _fingerprint(original, tx, fn_args_vt, kwargs):
+    """``build_input_fingerprint`` of Dynamo's region reuse, with the same result, without tracing
+    ``pytree.tree_flatten`` through Dynamo where the call's structure is plain: its lists, tuples and dicts
+    are walked here, and pytree flattens a mirror of them. Torch's path cost 60 ms of tracing per region
+    call of an HF decoder layer (keyword arguments, a tuple of tensors). Anything else goes to torch's path,
+    as does a flat call (torch's own fast path)."""
+    from torch._dynamo.variables import invoke_subgraph as variables
+
+    if not kwargs and all(variables.classify_vt(vt) is not None for vt in fn_args_vt):
+        return original(tx, fn_args_vt, kwargs)
+    flat: list = []
+    try:
+        mirror = ([_mirror(vt, flat) for vt in fn_args_vt], {key: _mirror(vt, flat) for key, vt in kwargs.items()})
+    except _NotPlain:
+        return original(tx, fn_args_vt, kwargs)
+    leaves, treespec = torch.utils._pytree.tree_flatten(mirror)
+    if len(leaves) != len(flat) or any(leaf is not _LEAF for leaf in leaves):
+        return original(tx, fn_args_vt, kwargs)
+    return variables.InputFingerprint(flat, [getattr(vt, "source", None) for _, vt in flat], False, treespec)
+
+
+@contextlib.contextmanager
+def _clones_shared():
+    """Within the block, ``ChainedSource.clone`` under one transform is computed once per source: the reuse
+    check re-sources every guard and read of a record for the new block (``layers[0].x`` -> ``layers[1].x``),
+    each clone re-building its whole chain, shared prefixes included (about 1600 clones, 30 ms a call of an
+    HF decoder layer's region). A clone is a function of the source and the transform (frozen dataclasses)."""
+    from torch._guards import ChainedSource
+
+    original = ChainedSource.__dict__["clone"]
+    memo: dict = {}
+
+    def clone(self, transform_fn=None):
+        if transform_fn is None:
+            return original(self, transform_fn)
+        key = (transform_fn, self)  # the transform held: no id reused
+        if key not in memo:
+            memo[key] = original(self, transform_fn)
+        return memo[key]
+
+    ChainedSource.clone = clone
+    try:
+        yield
+    finally:
+        ChainedSource.clone = original
+
+
 @contextlib.contextmanager
 def reuse_checked():
     """Within the block, Dynamo neither records nor reuses a region trace for a block written to earlier in
-    the trace, and a trace it fails to record stays unrecorded (each call traces anew)."""
+    the trace, a trace it fails to record stays unrecorded (each call traces anew), and a plain call is
+    fingerprinted by ``_fingerprint``."""
     from torch._dynamo.variables import invoke_subgraph as variables
 
-    names = (*_RECORDING, "is_reuse_eligible", "is_reusable")
+    names = (*_RECORDING, "is_reuse_eligible", "is_reusable", "build_input_fingerprint")
     originals = {name: getattr(variables, name, None) for name in names}
     if None in originals.values() or any(getattr(f, "fsdp_compile_checks", False) for f in originals.values()):
         yield  # a torch without them, or nested
@@ -194,10 +285,15 @@ def reuse_checked():
     def reusable(tx, condition, fingerprint, *args, **kwargs):
         if _written_block(tx, fingerprint):
             return False
-        return originals["is_reusable"](tx, condition, fingerprint, *args, **kwargs)
+        with _clones_shared():
+            return originals["is_reusable"](tx, condition, fingerprint, *args, **kwargs)
 
     patched = {name: skipping(originals[name]) for name in _RECORDING}
-    patched.update(is_reuse_eligible=eligible, is_reusable=reusable)
+    patched.update(
+        is_reuse_eligible=eligible,
+        is_reusable=reusable,
+        build_input_fingerprint=functools.partial(_fingerprint, originals["build_input_fingerprint"]),
+    )
     for name, fn in patched.items():
         fn.fsdp_compile_checks = True
         setattr(variables, name, fn)

@@ -603,10 +603,12 @@ def _regional_forward(block: nn.Module, region, names, pass_block: bool, pairs: 
 # cost about 50 ms of tracing per block (16 layers, Dynamo's profiler). A template region's call (tensors,
 # positional arguments, keyword arguments whose values are leaves or tuples/lists of leaves) goes in flat,
 # its structure in ``spec``, a constant string (so part of the fingerprint, and of the reuse key); any other
-# call goes in as ``(tensors, args, kwargs)`` with ``spec`` None, through pytree. Not for blocks passed in
-# (``region_of``): on the fast path Dynamo (2.13) reused the first block's trace for blocks that differ in a
-# float attribute it read (``test_which_blocks_share_a_region``: wrong outputs), where the pytree path
-# traces each; a template region's blocks have equal attributes, and its reuse is keyed (``_reuse_key``).
+# call goes in as ``(tensors, args, kwargs)`` with ``spec`` None, through pytree's path. Not for blocks
+# passed in (``region_of``): on the fast path Dynamo (2.13) reused the first block's trace for blocks that
+# differ in a float attribute it read (``test_which_blocks_share_a_region``: wrong outputs), where the pytree
+# path traces each; a template region's blocks have equal attributes, and its reuse is keyed
+# (``_reuse_key``). Pytree's path is cheap where the call is plain: ``_invoke_subgraph._fingerprint`` gives
+# its result without tracing pytree.
 
 _LEAVES = (torch.Tensor, bool, int, float, str, type(None))
 

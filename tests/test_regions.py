@@ -211,6 +211,48 @@ def test_hf_llama_layers_share_a_region(traces, schemas, use_cache):
     assert None not in schemas and "bw_subgraph_0_0" in schemas, schemas  # passed-in blocks too
 
 
+@pytest.mark.parametrize("use_cache", [False, True])
+def test_fingerprint_equals_torchs(monkeypatch, use_cache):
+    """Dynamo fingerprints each region call to look up a recorded trace. Where the call is plain (keyword
+    arguments, tuples of tensors: an HF decoder layer's), ours walks it in Python instead of tracing pytree:
+    the same leaves (the very same variables, realized), tags, sources and treespec as torch's path. A call
+    holding anything else (a KV cache object) goes to torch's path."""
+    transformers = pytest.importorskip("transformers")
+    import torch._dynamo.variables.invoke_subgraph as IS
+
+    from fsdp_compile import _invoke_subgraph
+
+    ours = _invoke_subgraph._fingerprint
+    walked, handed_on = [], []
+
+    def checked(original, tx, fn_args_vt, kwargs):
+        def torchs(*args):
+            handed_on.append(1)
+            return original(*args)
+
+        mine = ours(torchs, tx, fn_args_vt, kwargs)
+        theirs = IS.build_fingerprint_with_pytree(tx, fn_args_vt, kwargs)
+        assert (mine.treespec, mine.has_unknown, mine.arg_sources) == (theirs.treespec, theirs.has_unknown, theirs.arg_sources)
+        assert [(tag, id(vt)) for tag, vt in mine.flat_vts] == [(tag, id(vt)) for tag, vt in theirs.flat_vts]
+        walked.append(1)
+        return mine
+
+    monkeypatch.setattr(_invoke_subgraph, "_fingerprint", checked)
+    with fake_process_group(2):
+        torch.manual_seed(0)
+        cfg = transformers.LlamaConfig(
+            vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64, attn_implementation="sdpa",
+        )
+        m = transformers.LlamaForCausalLM(cfg)
+        shard(m, m.model.layers)
+        compiled = fc.compile(m, backend="aot_eager")
+        ids = torch.randint(0, 512, (2, 16))
+        compiled(input_ids=ids, labels=ids, use_cache=use_cache).loss.backward()
+    assert len(walked) == 3  # every region call, each layer's
+    assert len(handed_on) == (3 if use_cache else 0)  # the cache object: torch's path
+
+
 def test_a_trace_dynamo_cannot_record_is_not_reused(monkeypatch, traces, gloo_world_1):
     """Where torch fails to record a trace for reuse (here made to), each block is traced as itself."""
     import torch._dynamo.variables.invoke_subgraph as IS
