@@ -217,6 +217,22 @@ def test_same_plan_on_every_rank(world_size, ranks):
     assert _llama_modules(world_size, ranks[0]) == _llama_modules(world_size, ranks[1])
 
 
+def test_memoized_unit_costs_predict_the_same():
+    """The planner keeps each unit's costs across the candidates it judges: every prediction equals the
+    one made afresh, to the last bit, for schedules that share units and ones that split the root."""
+    mods = _llama_modules(8)
+    cm = CostModel("h100-nvlink")
+    memo: dict = {}
+    candidates = [
+        plan_schedule(mods, policy=policy, reorder=reorder, cost_model=cm, workload=64).units
+        for policy in ("auto", "fsdp_group", "none") for reorder in (True, False)
+    ] + [eager_fsdp2(mods)]
+    assert any(u.params is not None and u.tail for units in candidates for u in units)  # the root in parts
+    for units in candidates * 2:  # the second round is served from the memo
+        assert predict(units, mods, cm, 64, memo=memo) == predict(units, mods, cm, 64)
+    assert memo
+
+
 def test_eager_fsdp2_reference():
     """Eager FSDP2 on the same program: no forward prefetch, the next module prefetched in backward."""
     mods = _llama_modules(8)

@@ -146,8 +146,17 @@ def plan_schedule(
     t0 = time.perf_counter()
     workload = max(1, int(workload))
 
+    # The searches below judge many candidate schedules, some more than once (a merge declined is the next
+    # pair's "apart"), each by a prediction of the whole step: predictions are kept per candidate, and each
+    # unit's costs across candidates (Llama-3 70B at W=64, 81 FSDP modules: 3.3 s -> 1.9 s).
+    predictions: dict[tuple[Unit, ...], dict] = {}
+    costs: dict = {}
+
     def ev(units):
-        return predict(units, modules, cost_model, workload)
+        key = tuple(units)
+        if key not in predictions:
+            predictions[key] = predict(key, modules, cost_model, workload, memo=costs)
+        return predictions[key]
 
     # eager FSDP2 on CPU runs its collectives synchronously (no streams, unshard_async_op=False)
     blocking = cost_model.profile.device_type == "cpu"

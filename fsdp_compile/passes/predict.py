@@ -165,13 +165,14 @@ def _run_backward(units: Sequence[Unit], c: UnitCosts, s: _Program) -> dict:
 
 
 def predict(
-    units: Sequence[Unit], modules: Sequence[Module], cost_model: CostModel, workload: int, *, blocking: bool = False
+    units: Sequence[Unit], modules: Sequence[Module], cost_model: CostModel, workload: int, *, blocking: bool = False,
+    memo: dict | None = None,
 ) -> dict:
     """``{"forward" | "backward": {"step_s", "exposed_s", "comm_peak_bytes"}}`` of ``units`` on the program.
     ``blocking``: every collective is waited as soon as it is issued, its buffer released where ``units`` say
     (eager FSDP2 on CPU: no streams, so its collectives are synchronous and the backend's scratch is freed at
-    once; its reduce-scatter input is still kept until the next reduce-scatter)."""
-    c = unit_costs(units, {m.fqn: m for m in modules}, cost_model, workload)
+    once; its reduce-scatter input is still kept until the next reduce-scatter). ``memo``: ``unit_costs``'."""
+    c = unit_costs(units, {m.fqn: m for m in modules}, cost_model, workload, memo)
     p = cost_model.profile
     return {"forward": _run_forward(units, c, _Program(p, blocking)), "backward": _run_backward(units, c, _Program(p, blocking))}
 

@@ -33,32 +33,55 @@ class UnitCosts:
     late: tuple[bool, ...]  # per unit: a tail whose reduce-scatter waits for the end (it holds leading parameters)
 
 
-def unit_costs(units: Sequence[Unit], modules: dict[str, Module], cm: CostModel, workload: int) -> UnitCosts:
-    """``units``' costs at ``workload`` tokens per step (see the module docstring)."""
-    p = cm.profile
+def unit_costs(
+    units: Sequence[Unit], modules: dict[str, Module], cm: CostModel, workload: int, memo: dict | None = None
+) -> UnitCosts:
+    """``units``' costs at ``workload`` tokens per step (see the module docstring). A unit's costs do not
+    depend on where the schedule issues it: ``memo`` (a dict kept by the caller for one model, cost model
+    and workload) holds them per unit across calls."""
     ag, rs, fwd, bwd, pg, late = [], [], [], [], [], []
     tail = head = 0.0
     for u in units:
-        ms = [modules[f] for f in u.members]
-        ws = ms[0].world_size
-        ag.append(cm.collective_time("all_gather", u.all_gather_bytes, ws))
-        rs.append(cm.collective_time("reduce_scatter", u.reduce_scatter_bytes, ws) if u.reduce_scatter_bytes else 0.0)
-        if u.reduce_scatter_bytes and ms[0].replicate_size > 1:  # HSDP: then the reduced shard across replicas
-            rs[-1] += cm.collective_time("all_reduce", u.reduce_scatter_bytes // ws, ms[0].replicate_size)
-        own_f = own_b = 0.0
-        late.append(False)
-        for m in ms:
-            idx = [i for i, name in enumerate(m.params) if u.params is None or name in u.params]
-            late[-1] = late[-1] or (u.tail and any(m.params[i] in m.leading for i in idx))
-            flops = workload * sum(m.flops_per_token[i] for i in idx)  # forward; backward: twice (dX and dW)
-            rate = p.matmul_flops_lowp if m.lowp else p.matmul_flops_fp32
-            f = flops / rate + 4 * len(idx) * p.op_overhead
-            b = 2 * flops / rate + 8 * len(idx) * p.op_overhead
-            if m.holds_children and u.tail:
-                tail, head = tail + f, head + b
-            else:
-                own_f, own_b = own_f + f, own_b + b
+        key = (u.members, u.params, u.all_gather_bytes, u.reduce_scatter_bytes, u.tail)
+        one = memo.get(key) if memo is not None else None
+        if one is None:
+            one = _one_unit(u, modules, cm, workload)
+            if memo is not None:
+                memo[key] = one
+        u_ag, u_rs, own_f, own_b, tails, u_pg, u_late = one
+        ag.append(u_ag)
+        rs.append(u_rs)
+        for f, b in tails:  # summed in the order of units and members, as ever
+            tail, head = tail + f, head + b
         fwd.append(own_f)
         bwd.append(own_b)
-        pg.append(ms[0].process_group)
+        pg.append(u_pg)
+        late.append(u_late)
     return UnitCosts(tuple(ag), tuple(rs), tuple(fwd), tail, tuple(bwd), head, tuple(pg), tuple(late))
+
+
+def _one_unit(u: Unit, modules: dict[str, Module], cm: CostModel, workload: int) -> tuple:
+    """``(all-gather s, reduce-scatter s, forward s, backward s, ((tail forward s, head backward s) per
+    member held to the end), process group, late)`` of one unit."""
+    p = cm.profile
+    ms = [modules[f] for f in u.members]
+    ws = ms[0].world_size
+    ag = cm.collective_time("all_gather", u.all_gather_bytes, ws)
+    rs = cm.collective_time("reduce_scatter", u.reduce_scatter_bytes, ws) if u.reduce_scatter_bytes else 0.0
+    if u.reduce_scatter_bytes and ms[0].replicate_size > 1:  # HSDP: then the reduced shard across replicas
+        rs += cm.collective_time("all_reduce", u.reduce_scatter_bytes // ws, ms[0].replicate_size)
+    own_f = own_b = 0.0
+    late = False
+    tails = []
+    for m in ms:
+        idx = [i for i, name in enumerate(m.params) if u.params is None or name in u.params]
+        late = late or (u.tail and any(m.params[i] in m.leading for i in idx))
+        flops = workload * sum(m.flops_per_token[i] for i in idx)  # forward; backward: twice (dX and dW)
+        rate = p.matmul_flops_lowp if m.lowp else p.matmul_flops_fp32
+        f = flops / rate + 4 * len(idx) * p.op_overhead
+        b = 2 * flops / rate + 8 * len(idx) * p.op_overhead
+        if m.holds_children and u.tail:
+            tails.append((f, b))
+        else:
+            own_f, own_b = own_f + f, own_b + b
+    return ag, rs, own_f, own_b, tuple(tails), ms[0].process_group, late
