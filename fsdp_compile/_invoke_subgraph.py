@@ -208,10 +208,11 @@ def _fingerprint(original, tx, fn_args_vt, kwargs):
     ``pytree.tree_flatten`` through Dynamo where the call's structure is plain: its lists, tuples and dicts
     are walked here, and pytree flattens a mirror of them. Torch's path cost 60 ms of tracing per region
     call of an HF decoder layer (keyword arguments, a tuple of tensors). Anything else goes to torch's path,
-    as does a flat call (torch's own fast path)."""
+    as does a flat call (torch's own fast path). On torch 2.13 only (``GUARDED_REUSE``), where the result is
+    checked equal to torch's: 2.14.1's path hands back a block unrealized, under its closure's source."""
     from torch._dynamo.variables import invoke_subgraph as variables
 
-    if not kwargs and all(variables.classify_vt(vt) is not None for vt in fn_args_vt):
+    if not GUARDED_REUSE or (not kwargs and all(variables.classify_vt(vt) is not None for vt in fn_args_vt)):
         return original(tx, fn_args_vt, kwargs)
     flat: list = []
     try:

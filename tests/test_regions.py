@@ -186,11 +186,9 @@ def test_which_blocks_share_a_region(gloo_world_1):
         assert all(f.fsdp_compile_passes_block for f in forwards)
 
 
-@pytest.mark.parametrize("use_cache", [False, True])
-def test_hf_llama_layers_share_a_region(traces, schemas, use_cache):
-    """HF decoder layers each carry their own layer_idx, so each is passed in. Without a KV cache the first
-    layer's trace is stamped out for the others (it reads no layer_idx); a cache's update reads it and
-    writes the cache (a side effect, no reuse), so each layer is traced, into one subgraph all the same."""
+def _hf_llama_step(use_cache: bool):
+    """A 3-layer HF Llama, its layers sharded, compiled under ``aot_eager``, one step on the fake process
+    group: ``(model, compiled)``."""
     transformers = pytest.importorskip("transformers")
     with fake_process_group(2):
         torch.manual_seed(0)
@@ -203,6 +201,15 @@ def test_hf_llama_layers_share_a_region(traces, schemas, use_cache):
         compiled = fc.compile(m, backend="aot_eager")
         ids = torch.randint(0, 512, (2, 16))
         compiled(input_ids=ids, labels=ids, use_cache=use_cache).loss.backward()
+    return m, compiled
+
+
+@pytest.mark.parametrize("use_cache", [False, True])
+def test_hf_llama_layers_share_a_region(traces, schemas, use_cache):
+    """HF decoder layers each carry their own layer_idx, so each is passed in. Without a KV cache the first
+    layer's trace is stamped out for the others (it reads no layer_idx); a cache's update reads it and
+    writes the cache (a side effect, no reuse), so each layer is traced, into one subgraph all the same."""
+    m, compiled = _hf_llama_step(use_cache)
     assert all(b.forward.fsdp_compile_passes_block for b in m.model.layers)
     reused = not use_cache and GUARDED_REUSE  # torch 2.13 only
     assert traces == ({"traces": 1, "stamp_outs": 2} if reused else {"traces": 3, "stamp_outs": 0})
@@ -216,8 +223,8 @@ def test_fingerprint_equals_torchs(monkeypatch, use_cache):
     """Dynamo fingerprints each region call to look up a recorded trace. Where the call is plain (keyword
     arguments, tuples of tensors: an HF decoder layer's), ours walks it in Python instead of tracing pytree:
     the same leaves (the very same variables, realized), tags, sources and treespec as torch's path. A call
-    holding anything else (a KV cache object) goes to torch's path."""
-    transformers = pytest.importorskip("transformers")
+    holding anything else (a KV cache object) goes to torch's path, as every call does on a torch other
+    than 2.13 (``GUARDED_REUSE``)."""
     import torch._dynamo.variables.invoke_subgraph as IS
 
     from fsdp_compile import _invoke_subgraph
@@ -238,19 +245,9 @@ def test_fingerprint_equals_torchs(monkeypatch, use_cache):
         return mine
 
     monkeypatch.setattr(_invoke_subgraph, "_fingerprint", checked)
-    with fake_process_group(2):
-        torch.manual_seed(0)
-        cfg = transformers.LlamaConfig(
-            vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=64, attn_implementation="sdpa",
-        )
-        m = transformers.LlamaForCausalLM(cfg)
-        shard(m, m.model.layers)
-        compiled = fc.compile(m, backend="aot_eager")
-        ids = torch.randint(0, 512, (2, 16))
-        compiled(input_ids=ids, labels=ids, use_cache=use_cache).loss.backward()
+    _hf_llama_step(use_cache)
     assert len(walked) == 3  # every region call, each layer's
-    assert len(handed_on) == (3 if use_cache else 0)  # the cache object: torch's path
+    assert len(handed_on) == (3 if use_cache or not GUARDED_REUSE else 0)  # a cache object: torch's path
 
 
 def test_a_trace_dynamo_cannot_record_is_not_reused(monkeypatch, traces, gloo_world_1):
