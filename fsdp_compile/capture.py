@@ -607,8 +607,8 @@ def _regional_forward(block: nn.Module, region, names, pass_block: bool, pairs: 
 # passed in (``region_of``): on the fast path Dynamo (2.13) reused the first block's trace for blocks that
 # differ in a float attribute it read (``test_which_blocks_share_a_region``: wrong outputs), where the pytree
 # path traces each; a template region's blocks have equal attributes, and its reuse is keyed
-# (``_reuse_key``). Pytree's path is cheap where the call is plain: ``_invoke_subgraph._fingerprint`` gives
-# its result without tracing pytree.
+# (``_reuse_key``). On torch 2.13 pytree's path is cheap where the call is plain:
+# ``_invoke_subgraph._fingerprint`` gives its result without tracing pytree.
 
 _LEAVES = (torch.Tensor, bool, int, float, str, type(None))
 
