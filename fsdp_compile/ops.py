@@ -196,8 +196,16 @@ def unshard_impl(shards: list[Tensor], args: UnshardArgs, payloads: Sequence[Ten
         # eager's in two alternating runs each), its peak lower (86.8 -> 74.8 and 82.2 MiB).
         rank = _rank_of_rows(args.dim0s, [s.shape[0] for s in shards], c.world_size)
         flat = K.all_gather_copy_in(shards, full_shapes, c.world_size, rank, dtype=args.param_dtype, impl=c.kernels)
-        gathered = _c10d.wait_tensor(_c10d.all_gather_into_tensor(flat, c.world_size, c.group_name))
-        return K.all_gather_copy_out(gathered, full_shapes, c.world_size, impl=c.kernels)
+        return K.all_gather_copy_out(_all_gather(flat, c), full_shapes, c.world_size, impl=c.kernels)
+
+
+def _all_gather(flat: Tensor, c) -> Tensor:
+    """All-gather and wait; on one rank none, as FSDP2's eager unshard (its copy-in buffer is the gathered one,
+    and the reduce-scatter is skipped likewise): an all-gather there is a device copy, of every parameter,
+    twice a step with resharding."""
+    if c.world_size == 1:
+        return flat
+    return _c10d.wait_tensor(_c10d.all_gather_into_tensor(flat, c.world_size, c.group_name))
 
 
 def _unshard_payloads(shards: Sequence[Tensor], args: UnshardArgs, payloads: Sequence[Tensor]) -> list[Tensor]:
@@ -221,8 +229,7 @@ def _unshard_payloads(shards: Sequence[Tensor], args: UnshardArgs, payloads: Seq
     packed = len({p.dtype for p in pieces}) > 1 or any(p.dtype.is_floating_point and p.dtype.itemsize == 1 for p in pieces)
     flats = [p.view(torch.uint8) for p in pieces] if packed else pieces
     flat = torch.cat(flats) if len(flats) > 1 else flats[0].clone()
-    gathered = _c10d.wait_tensor(_c10d.all_gather_into_tensor(flat, world_size, c.group_name))
-    per_rank = gathered.view(world_size, -1)
+    per_rank = _all_gather(flat, c).view(world_size, -1)
     outs, offset, k = [], 0, 0
     for shard, d, n in zip(shards, args.dim0s, args.payloads):
         for _ in range(max(n, 1)):
