@@ -221,22 +221,23 @@ def _capture_copy_in(shards, world_size: int, rank: int):
 
 
 def test_device_tables_cached_by_content(cuda_triton, monkeypatch):
-    """A call whose tables (addresses, sizes, block) were made before copies nothing to the device and
-    reuses them; other addresses get other tables, so results stay right; the cache stays in its bytes
-    bound; a table read on a second stream is recorded on it (its memory waits for that stream's kernels)."""
+    """A call whose tables were made before copies nothing to the device and reuses them: the segment table
+    by its addresses and sizes, the work table by its pieces alone; other addresses get another segment
+    table and share the work table, so results stay right; the cache stays in its bytes bound; a table read
+    on a second stream is recorded on it (its memory waits for that stream's kernels)."""
     world_size, rank = 4, 1
     fulls = cuda_params(CUDA_SHAPES, torch.float32, seed=21)
     shards = [spec_shard(f, world_size, rank) for f in fulls]
     _empty_table_cache()
     first = K.all_gather_copy_in(shards, CUDA_SHAPES, world_size, rank, torch.bfloat16, impl="triton")
-    assert len(C._DEVICE_TABLES) == 1
-    (entry,) = C._DEVICE_TABLES.values()
+    assert sorted(k[0] for k in C._DEVICE_TABLES) == ["seg", "work"]
+    entries = dict(C._DEVICE_TABLES)
     again = K.all_gather_copy_in(shards, CUDA_SHAPES, world_size, rank, torch.bfloat16, impl="triton")
-    assert len(C._DEVICE_TABLES) == 1 and next(iter(C._DEVICE_TABLES.values())) is entry
+    assert C._DEVICE_TABLES.keys() == entries.keys() and all(C._DEVICE_TABLES[k] is v for k, v in entries.items())
     assert_bitwise(again, first)
     moved = [s.clone() + 1 for s in shards]  # other addresses, other values
     got = K.all_gather_copy_in(moved, CUDA_SHAPES, world_size, rank, torch.bfloat16, impl="triton")
-    assert len(C._DEVICE_TABLES) == 2
+    assert sorted(k[0] for k in C._DEVICE_TABLES) == ["seg", "seg", "work"]  # the work table is shared
     assert_bitwise(got, K.all_gather_copy_in(moved, CUDA_SHAPES, world_size, rank, torch.bfloat16, impl="torch"))
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -244,11 +245,12 @@ def test_device_tables_cached_by_content(cuda_triton, monkeypatch):
         on_side = K.all_gather_copy_in(shards, CUDA_SHAPES, world_size, rank, torch.bfloat16, impl="triton")
     torch.cuda.current_stream().wait_stream(side)
     assert_bitwise(on_side, first)
-    assert len(entry[3]) == 2  # the creating stream and the side stream
-    monkeypatch.setattr(C, "_DEVICE_TABLES_MAX_BYTES", entry[0].nbytes + entry[1].nbytes)
+    assert all(len(streams) == 2 for _, streams in entries.values())  # the creating stream and the side stream
+    bound = sum(t.nbytes for t, _ in entries.values())
+    monkeypatch.setattr(C, "_DEVICE_TABLES_MAX_BYTES", bound)
     for i in range(5):
         K.all_gather_copy_in([s.clone() for s in shards], CUDA_SHAPES, world_size, rank, torch.bfloat16, impl="triton")
-        assert len(C._DEVICE_TABLES) == 1 and C._device_tables_bytes <= C._DEVICE_TABLES_MAX_BYTES
+        assert C._device_tables_bytes <= C._DEVICE_TABLES_MAX_BYTES and len(C._DEVICE_TABLES) <= 2
     torch.cuda.synchronize()
     _empty_table_cache()
 

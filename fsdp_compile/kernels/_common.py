@@ -298,16 +298,49 @@ def _work_table(pieces: tuple[tuple[int, ...], ...], block: int) -> torch.Tensor
     return torch.stack([seg[piece], rank[piece], start], dim=1).reshape(-1)
 
 
-# Tables already on a device, keyed by everything they hold. A step's copy-in reads the same shards (the
-# same addresses) every step, and the caching allocator mostly hands a copy-out the same output addresses
-# step after step, so most calls find their tables here and queue no host-to-device copy ahead of the
-# kernel. Measured on an H200 (one Llama-3-8B block, W=8, fp32): the copy-in, whose kernel this did not
-# change, went from 2881 to 3753 GB/s of device time; host time per call stayed within 10%. Bounded by
-# bytes (a work table holds 24 bytes per program: 2.6 MB for that block's copy-out). Not used while a CUDA
-# graph is being captured: the graph would keep reading a table that a later eviction frees.
-_DEVICE_TABLES: collections.OrderedDict = collections.OrderedDict()
+# Tables already on a device, keyed by everything they hold: segment tables by their rows (addresses and
+# sizes), work tables by the pieces and block alone (they hold no address). A step's copy-in reads the same
+# shards (the same addresses) every step, and the caching allocator mostly hands a copy-out the same output
+# addresses step after step, so most calls find both here and queue no host-to-device copy ahead of the
+# kernel; a call whose outputs moved uploads its segment table (S x 32 bytes) and reuses the work table,
+# which every block of a model shares. Measured on an H200 (one Llama-3-8B block, W=8, fp32): the copy-in,
+# whose kernel this did not change, went from 2881 to 3753 GB/s of device time. On an H100 (a 0.95B Llama,
+# one rank, 2026-11-26), when one entry held both tables, copy-out calls missed about half the time and
+# rebuilt and uploaded their whole work table (0.6 MB) at each miss: a cat, a pinned copy and a
+# host-to-device copy, some 300 us of host time per miss under the profiler. Bounded by bytes (a work table
+# holds 24 bytes per program: 2.6 MB for that 8B block's copy-out). Not used while a CUDA graph is being
+# captured: the graph would keep reading a table that a later eviction frees.
+_DEVICE_TABLES: collections.OrderedDict = collections.OrderedDict()  # key -> (device tensor, streams read on)
 _DEVICE_TABLES_MAX_BYTES = 64 << 20
 _device_tables_bytes = 0
+
+
+def _on_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    # Pinned + non_blocking: a pageable host-to-device copy would synchronize the stream and stall the
+    # host. The caching host allocator keeps the pinned block alive until the copy has run, and never
+    # reuses one allocated and used during a CUDA graph capture, whose replays read it again
+    # (ATen/core/CachingHostAllocator.h; tests/test_cuda.py checks it).
+    return host if device.type == "cpu" else host.pin_memory().to(device, non_blocking=True)
+
+
+def _device_table(key: tuple, make, device: torch.device, stream: int) -> torch.Tensor:
+    """``make()`` (a host int64 tensor) on ``device``, from ``_DEVICE_TABLES`` when made before."""
+    global _device_tables_bytes
+    hit = _DEVICE_TABLES.get(key)
+    if hit is None:
+        hit = _DEVICE_TABLES[key] = (_on_device(make(), device), {stream})
+        _device_tables_bytes += hit[0].nbytes
+        while _device_tables_bytes > _DEVICE_TABLES_MAX_BYTES and len(_DEVICE_TABLES) > 1:
+            old = _DEVICE_TABLES.popitem(last=False)[1][0]
+            _device_tables_bytes -= old.nbytes
+    else:
+        _DEVICE_TABLES.move_to_end(key)
+        if stream not in hit[1]:
+            # Read on another stream than it was made on: when evicted, its memory must wait for that
+            # stream's kernels too. (Only then: record_stream on every call cost ~40 us of host time.)
+            hit[0].record_stream(torch.cuda.current_stream(device))
+            hit[1].add(stream)
+    return hit[0]
 
 
 def build_tables(
@@ -321,45 +354,19 @@ def build_tables(
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Segment table [S, 4] = (data_ptr, valid numel, padded numel n_i, packed offset off_i) and work
     table [P, 3] = (segment, rank, first element of the block) covering ``pieces[i][w]`` elements of each
-    segment's rank-w piece (one piece, rank 0, for the kernels that address a segment flat). Both live in
-    one int64 buffer so that a call makes one host-to-device copy, and none when the same table was made
-    before (``_DEVICE_TABLES``)."""
-    global _device_tables_bytes
+    segment's rank-w piece (one piece, rank 0, for the kernels that address a segment flat), each on the
+    device once (``_DEVICE_TABLES``)."""
     rows: list[int] = []
     for t, v, n, o in zip(tensors, valid, padded, offs):
         rows += (t.data_ptr(), v, n, o)
     pieces = tuple(tuple(int(d) for d in per) for per in pieces)
-
-    def make() -> tuple[torch.Tensor, torch.Tensor, int]:
-        work = _work_table(pieces, block)
-        table = torch.cat([torch.tensor(rows, dtype=torch.int64), work])
-        if device.type != "cpu":
-            # Pinned + non_blocking: a pageable host-to-device copy would synchronize the stream and stall
-            # the host. The caching host allocator keeps the pinned block alive until the copy has run, and
-            # never reuses one allocated and used during a CUDA graph capture, whose replays read it again
-            # (ATen/core/CachingHostAllocator.h; tests/test_cuda.py checks it).
-            table = table.pin_memory().to(device, non_blocking=True)
-        return table[: len(rows)], table[len(rows) :], work.numel() // 3
-
+    work = _work_table(pieces, block)
+    programs = work.numel() // 3
     if device.type == "cpu" or torch.cuda.is_current_stream_capturing():
-        return make()
-    key = (device, tuple(rows), pieces, block)
+        return _on_device(torch.tensor(rows, dtype=torch.int64), device), _on_device(work, device), programs
     stream = torch._C._cuda_getCurrentRawStream(device.index if device.index is not None else torch.cuda.current_device())
-    hit = _DEVICE_TABLES.get(key)
-    if hit is None:
-        hit = _DEVICE_TABLES[key] = (*make(), {stream})
-        _device_tables_bytes += hit[0].nbytes + hit[1].nbytes
-        while _device_tables_bytes > _DEVICE_TABLES_MAX_BYTES and len(_DEVICE_TABLES) > 1:
-            old_seg, old_work, _, _ = _DEVICE_TABLES.popitem(last=False)[1]
-            _device_tables_bytes -= old_seg.nbytes + old_work.nbytes
-    else:
-        _DEVICE_TABLES.move_to_end(key)
-        if stream not in hit[3]:
-            # Read on another stream than it was made on: when evicted, its memory must wait for that
-            # stream's kernels too. (Only then: record_stream on every call cost ~40 us of host time.)
-            hit[0].record_stream(torch.cuda.current_stream(device))
-            hit[3].add(stream)
-    return hit[:3]
+    seg = _device_table(("seg", device, tuple(rows)), lambda: torch.tensor(rows, dtype=torch.int64), device, stream)
+    return seg, _device_table(("work", device, pieces, block), lambda: work, device, stream), programs
 
 
 def rank_pieces(numel: int, n: int, world_size: int) -> tuple[int, ...]:
