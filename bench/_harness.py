@@ -148,6 +148,15 @@ def machine() -> dict:
     }
 
 
+def gpu_info(device) -> dict:
+    """Which GPU, and which software, produced a GPU run's numbers."""
+    import triton
+
+    return {"device": torch.cuda.get_device_name(device), "gpu_count": torch.cuda.device_count(),
+            "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__,
+            "nccl": ".".join(map(str, torch.cuda.nccl.version()))}
+
+
 def write_json(path: str, payload: dict) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:

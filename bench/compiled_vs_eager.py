@@ -544,11 +544,7 @@ def main():
                 "compute-only + comm-only": bound["median_step_s"] + comm["median_step_s"],
             }
         if device.type == "cuda":  # which GPU produced these numbers
-            import triton
-
-            payload["gpu"] = {"device": torch.cuda.get_device_name(device), "gpu_count": torch.cuda.device_count(),
-                              "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__,
-                              "nccl": ".".join(map(str, torch.cuda.nccl.version()))}
+            payload["gpu"] = H.gpu_info(device)
         stem = args.stem or (f"compiled_vs_eager_{args.model}" + (f"_tp{args.tp}" if args.tp > 1 else "")
                              + ("_float8" if args.float8 else ""))
         H.write_json(os.path.join(args.out, f"{stem}.json"), payload)

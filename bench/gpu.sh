@@ -11,6 +11,8 @@
 #   3. bench/compiled_vs_eager.py on a 0.95B Llama (bf16 mixed precision, 2 x 2048 tokens per rank):
 #      step time, peak memory and first-step (compile) time of eager FSDP2, torch.compile and fc, on
 #      1 GPU and, with 8 or more, on 8 (torchrun)          -> bench/results/gpu_step_llama-1b_w{1,8}.json
+#   4. bench/profile_step.py on 1 GPU: host and device time per bucket, Chrome traces
+#                                                  -> bench/results/gpu_profile_llama-1b.json, traces_llama-1b/
 #
 # Every JSON names the GPU (torch.cuda.get_device_name), the GPU count and the torch/CUDA/Triton versions.
 # --quick: fewer kernel repeats, the tiny model and 10 steps (a few minutes; a check that it all runs).
@@ -116,6 +118,14 @@ for W in 1 8; do
         "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$W" bench/compiled_vs_eager.py \
         "${STEP_ARGS[@]}" --stem "gpu_step_${MODEL}_w$W"
 done
+
+# 4. Where one GPU's step goes: host and device time per bucket for eager, torch.compile, fc and the
+#    compute-only bound, and each variant's Chrome trace (bench/profile_step.py).
+PROFILE_ARGS=(--model llama-1b --mp bf16 --batch 2)
+[ "$QUICK" = 1 ] && PROFILE_ARGS=(--model tiny --mp bf16)
+run "bench/profile_step.py on 1 GPU" "$RESULTS/gpu_profile_$MODEL.log" \
+    "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node 1 bench/profile_step.py "${PROFILE_ARGS[@]}" \
+    --variants eager torch.compile fc compute-only --out "$RESULTS" --stem "gpu_profile_$MODEL" --trace-dir "$RESULTS/traces_$MODEL"
 
 echo
 if [ "${#FAILED[@]}" -gt 0 ]; then

@@ -3,6 +3,8 @@ bound, on the same model, data and ranks as bench/compiled_vs_eager.py (whose va
 
     torchrun --nproc-per-node 2 bench/profile_step.py [--model hf-llama|small|tiny] [--steps 6]
                                                       [--variants fc simplefsdp compute-only ...]
+    torchrun --nproc-per-node 1 bench/profile_step.py --model llama-1b --mp bf16 --batch 2 \
+        --variants eager torch.compile fc compute-only                     # one GPU
 
 Per variant, on rank 0:
 * the first step (the compile), by phase, from torch's own compile timers
@@ -30,8 +32,14 @@ Per variant, on rank 0:
   unattributed           the step's wall time outside every profiled event (Python between ops, barrier)
 
 The profiler's own overhead inflates the small events: the table gives both ms per step under the
-profiler and each bucket's share of it; the unprofiled median is the step time. Writes
-bench/results/profile_step_<model>.json.
+profiler and each bucket's share of it; the unprofiled median is the step time.
+
+On GPUs the same steps are also profiled on the device (``ProfilerActivity.CUDA``), and a second table
+puts each kernel's (and memcpy's, memset's) device time in a bucket, by its name and by the CPU op that
+launched it (``GPU_BUCKETS``): what the GPU spent the step on, and how long it sat idle (the profiled
+step's wall time less the union of its kernels' intervals), which is where the host's Python, launches
+and waits show. ``--trace-dir`` also writes each variant's profile as a Chrome trace (gzipped), for
+Perfetto or tlparse-like tools. Writes bench/results/profile_step_<model>.json (``--stem`` otherwise).
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ import argparse
 import collections
 import contextlib
 import functools
+import gzip
 import os
 import re
 import sys
@@ -70,6 +79,12 @@ _ATTENTION = re.compile(r"scaled_dot_product|flash_attention|efficient_attention
 _LAUNCH = re.compile(r"all_gather|allgather|reduce_scatter|all_reduce|allreduce|broadcast|all_to_all", re.I)
 _WAIT = re.compile(r"wait_tensor|::wait$|Work\.wait|c10d::wait", re.I)
 _FC = "fc:"  # our record_function marks
+# device time on GPUs: by kernel name, and by the CPU op that launched the kernel (optimizer, FSDP2's copies)
+GPU_BUCKETS = ("matmul", "attention", "fused kernels", "copy-in/copy-out", "collective (NCCL)", "optimizer",
+               "memcpy/memset", "other aten kernels", "idle")
+_GPU_MATMUL = re.compile(r"gemm|gemv|nvjet|cutlass|xmma|cublas|matmul|sm\d+_.*(mma|tensorop)", re.I)
+_GPU_ATTENTION = re.compile(r"flash|fmha|attention|sdpa|softmax_warp", re.I)
+_GPU_COPY = re.compile(r"_(all_gather|reduce_scatter)_copy_(in|out)_kernel|chunk_cat|split_with_sizes_copy", re.I)
 
 
 def _kernel_bucket(name: str) -> str:
@@ -148,6 +163,65 @@ def attribute(prof, steps: int, wall_s: float) -> tuple[dict, list]:
     return ms, top
 
 
+def gpu_bucket(name: str, launchers: list[str]) -> str:
+    """The bucket of one device event: its name, and the names of the CPU op that launched it and of that
+    op's ancestors (innermost first)."""
+    if any(a.startswith("Optimizer.") for a in launchers):
+        return "optimizer"
+    low = name.lower()
+    if "nccl" in low:
+        return "collective (NCCL)"
+    if low.startswith(("memcpy", "memset")):
+        return "memcpy/memset"
+    if _GPU_COPY.search(name) or any(a.startswith(("fsdp::", "fsdp_compile::")) for a in launchers):
+        return "copy-in/copy-out"
+    if _GPU_ATTENTION.search(name) or any(_ATTENTION.search(a) for a in launchers[:3]):
+        return "attention"  # before matmul: cuDNN's attention kernels are named sm90_..._wgmma too
+    if _GPU_MATMUL.search(name):
+        return "matmul"
+    if "multi_tensor_apply" in low:
+        return "optimizer"
+    kernel = re.sub(r"^graph_(\d+|None)_", "", name)
+    if kernel.startswith("triton_"):
+        return _kernel_bucket(kernel)
+    return "other aten kernels"
+
+
+def _union_us(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def gpu_attribute(prof, steps: int, wall_s: float) -> dict:
+    """Device time per step per ``GPU_BUCKETS`` bucket (ms), the GPU's idle time within the profiled
+    steps, and the 12 largest kernels by device time."""
+    events = prof.events()
+    cpu = {e.id: e for e in events if e.device_type == torch.autograd.DeviceType.CPU}
+    per, names, spans = collections.Counter(), collections.Counter(), []
+    for e in events:
+        if e.device_type != torch.autograd.DeviceType.CUDA or e.is_user_annotation:
+            continue  # record_function ranges (Inductor's wrapper calls, Optimizer.step) are mirrored on the GPU
+        launchers, p = [], cpu.get(e.linked_correlation_id)
+        while p is not None:
+            launchers.append(p.name)
+            p = p.cpu_parent
+        start, end = e.time_range.start, e.time_range.end
+        b = gpu_bucket(e.name, launchers)
+        per[b] += end - start
+        names[(b, e.name)] += end - start
+        spans.append((start, end))
+    busy = _union_us(spans)
+    ms = {b: per[b] / 1e3 / steps for b in GPU_BUCKETS}
+    ms["idle"] = max(0.0, wall_s * 1e6 - busy) / 1e3 / steps
+    return {"buckets_ms": ms, "busy_ms": busy / 1e3 / steps, "kernels_per_step": len(spans) / steps,
+            "top_kernels": [{"bucket": b, "name": n, "ms_per_step": t / 1e3 / steps}
+                            for (b, n), t in names.most_common(12)]}
+
+
 @contextlib.contextmanager
 def fc_marks():
     """record_function marks around CompiledFSDPModule.forward's work outside the graph (patched in this
@@ -178,7 +252,8 @@ def fc_marks():
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="hf-llama", choices=[*sorted(CVE.SIZES), "hf-llama"])
+    ap.add_argument("--model", default="hf-llama", choices=[*sorted(CVE.SIZES), *CVE.BENCH_SIZES, "hf-llama"])
+    ap.add_argument("--mp", default=None, choices=[k for k in CVE.MP if k], help="FSDP2 mixed precision (bf16 parameters, fp32 reduce)")
     ap.add_argument("--steps", type=int, default=6, help="steps timed, then profiled, per variant")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=None)
@@ -186,11 +261,15 @@ def main():
     ap.add_argument("--variants", nargs="*", default=["fc", "simplefsdp", "compute-only"])
     ap.add_argument("--warm-cache", action="store_true", help="reuse Inductor's on-disk caches (default: cold)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    ap.add_argument("--stem", default=None, help="results file name without extension (default profile_step_<model>)")
+    ap.add_argument("--trace-dir", default=None, help="also write each variant's profile there as trace_<variant>.json.gz")
     args = ap.parse_args()
     if "RANK" not in os.environ:
         ap.error("launch with torchrun, e.g.: torchrun --nproc-per-node 2 bench/profile_step.py")
+    if args.mp and args.model == "hf-llama":
+        ap.error("--mp: fsdp_compile.models' Llama sizes only")
     if args.seq is None:
-        args.seq = 128 if args.model == "hf-llama" else 64
+        args.seq = {"hf-llama": 128, "llama-1b": 2048}.get(args.model, 64)
     torch._inductor.config.cpp.enable_kernel_profile = True  # generated C++ kernels record their names
     torch._inductor.config.profiler_mark_wrapper_call = True
     device, rank, world, say = H.init_ranks(timeout_s=900)
@@ -206,6 +285,7 @@ def main():
         f"batch {args.batch} x {args.seq}")
     results = {}
     step_no = collections.Counter()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
 
     def run(v, n):
         t = []
@@ -219,15 +299,17 @@ def main():
         if name in skipped:
             continue
         make = CVE.make_variant(name, args.model, args.backend)
-        v = CVE.Variant(name, args.model, device, make, sharded=CVE.SHARD_WITH.get(name, True))
+        v = CVE.Variant(name, args.model, device, make, sharded=CVE.SHARD_WITH.get(name, True), mp=args.mp)
         with H.compile_timing() as timing:
             first = run(v, 1)[0]
         phases = H.compile_phases(timing, first)
         run(v, 2)  # warm-up
         times = run(v, args.steps)
-        with fc_marks(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        with fc_marks(), profile(activities=activities) as prof:
             t0 = time.perf_counter()
             run(v, args.steps)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
             wall = time.perf_counter() - t0
         ms, top = attribute(prof, args.steps, wall)
         waits = waits_in_order(prof, args.steps)
@@ -235,6 +317,15 @@ def main():
                          "profiled_step_ms": wall * 1e3 / args.steps, "buckets_ms": ms, "top_events": top,
                          "waits_in_order": waits,
                          "final_loss": v.loss}
+        if device.type == "cuda":
+            results[name]["gpu"] = gpu_attribute(prof, args.steps, wall)
+        if args.trace_dir and rank == 0:
+            os.makedirs(args.trace_dir, exist_ok=True)
+            path = os.path.join(args.trace_dir, f"trace_{name.replace(':', '_').replace('.', '_')}.json")
+            prof.export_chrome_trace(path)
+            with open(path, "rb") as f, gzip.open(path + ".gz", "wb") as g:
+                g.write(f.read())
+            os.remove(path)
         say(f"  {name}: first step {first:.1f} s, median step {results[name]['median_step_s'] * 1e3:.1f} ms "
             f"({wall * 1e3 / args.steps:.1f} ms profiled)")
         del v
@@ -252,6 +343,20 @@ def main():
             cells.append(f"{r['buckets_ms'][b]:.1f} ({100 * r['buckets_ms'][b] / r['profiled_step_ms']:.0f}%)")
         say(f"| {b} | " + " | ".join(cells) + " |")
     say("| step, profiled | " + " | ".join(f"{results[n]['profiled_step_ms']:.1f}" for n in names) + " |")
+    gpu_names = [n for n in names if "gpu" in results[n]]
+    if gpu_names:
+        say(f"\n**Steady step on the GPU** (device ms per step, {torch.cuda.get_device_name(device)}; share of the "
+            "profiled step in brackets):\n")
+        say("| bucket | " + " | ".join(gpu_names) + " |")
+        say("|---|" + "---|" * len(gpu_names))
+        for b in GPU_BUCKETS:
+            cells = []
+            for n in gpu_names:
+                g = results[n]["gpu"]["buckets_ms"][b]
+                cells.append(f"{g:.1f} ({100 * g / results[n]['profiled_step_ms']:.0f}%)")
+            say(f"| {b} | " + " | ".join(cells) + " |")
+        say("| kernels per step | " + " | ".join(f"{results[n]['gpu']['kernels_per_step']:.0f}" for n in gpu_names) + " |")
+        say("| step, profiled | " + " | ".join(f"{results[n]['profiled_step_ms']:.1f}" for n in gpu_names) + " |")
     say("\n**First step** (s; torch's compile timers, inclusive, nested as indented):\n")
     say("| phase | " + " | ".join(names) + " |")
     say("|---|" + "---|" * len(names))
@@ -265,10 +370,15 @@ def main():
     for n in names:
         say(f"\n{n}, largest self times (ms per step): " + "; ".join(
             f"{t['name'][:60]} [{t['bucket']}] {t['ms_per_step']:.1f}" for t in results[n]["top_events"][:8]))
+    for n in gpu_names:
+        say(f"\n{n}, largest device times (ms per step): " + "; ".join(
+            f"{t['name'][:60]} [{t['bucket']}] {t['ms_per_step']:.1f}" for t in results[n]["gpu"]["top_kernels"][:8]))
     if rank == 0:
-        path = os.path.join(args.out, f"profile_step_{args.model}.json")
-        H.write_json(path, {"config": vars(args) | {"world_size": world}, "machine": H.machine(), "skipped": skipped,
-                            "variants": results})
+        path = os.path.join(args.out, f"{args.stem or 'profile_step_' + args.model}.json")
+        payload = {"config": vars(args) | {"world_size": world}, "machine": H.machine(), "skipped": skipped, "variants": results}
+        if device.type == "cuda":
+            payload["gpu"] = H.gpu_info(device)
+        H.write_json(path, payload)
         say(f"wrote {path}")
     dist.destroy_process_group()
 
