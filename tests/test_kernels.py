@@ -352,6 +352,29 @@ def test_downcast_rounds_like_torch(dst, triton_impl):
     assert_bitwise(K.all_gather_copy_in([h], [tuple(h.shape)], 1, 0, torch.bfloat16, impl=triton_impl), h.to(torch.bfloat16))
 
 
+def test_layout_made_once_per_shape(triton_impl, monkeypatch):
+    """A call's pieces, block and work table depend only on its shapes and world size (W pieces per tensor
+    for the per-rank kernels): a second call with the same shapes, on other tensors, makes none of them and
+    copies the same."""
+    world_size, shapes = 64, [(130, 3), (7,), (64, 2)]
+    n = L.padded_numels(shapes, world_size)
+    gathered = torch.randn(world_size * sum(n))
+    grads = params(shapes, torch.float32, seed=5)
+    C.work_layout.cache_clear()
+    out = K.all_gather_copy_out(gathered, shapes, world_size, impl=triton_impl)
+    packed = K.reduce_scatter_copy_in(grads, world_size, impl=triton_impl)
+
+    def made(*args):
+        raise AssertionError("a layout was made again for shapes seen before")
+
+    monkeypatch.setattr(C, "rank_pieces", made)
+    monkeypatch.setattr(C, "_work_table", made)
+    for got, want in zip(K.all_gather_copy_out(gathered.clone(), shapes, world_size, impl=triton_impl), out):
+        assert_bitwise(got, want)
+    assert_bitwise(K.reduce_scatter_copy_in([g.clone() for g in grads], world_size, impl=triton_impl), packed)
+    assert C.work_layout.cache_info().hits == 2
+
+
 def test_interpreter_plain_bf16_cast_truncates(triton_impl):
     """Evidence for the explicit rounding in _common.cast_to: the interpreter's own ``.to(tl.bfloat16)``
     truncates. If this starts failing, Triton fixed the interpreter and the workaround can go."""

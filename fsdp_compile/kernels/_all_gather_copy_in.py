@@ -51,11 +51,11 @@ def _triton(shards: Sequence[torch.Tensor], n: Sequence[int], offs: Sequence[int
     # The kernel reads shard i as flat [m_i]: keep the contiguous copies alive until the launch is queued.
     shards = [s if s.is_contiguous() else s.contiguous() for s in shards]
     m = [s.numel() for s in shards]
-    block = C.block_size(n, out.device)
-    seg, work, programs = C.build_tables(shards, m, n, offs, [(n_i,) for n_i in n], block, out.device)
+    layout = C.work_layout("padded", (), tuple(n), 1, out.device.type)
+    seg, work = C.build_tables(shards, m, n, offs, layout, out.device)
     C.launch(
-        "all_gather_copy_in", _all_gather_copy_in_kernel, programs, out, seg, work,
-        SRC=C.tl_dtype(shards[0].dtype), BLOCK=block,
+        "all_gather_copy_in", _all_gather_copy_in_kernel, layout.programs, out, seg, work,
+        SRC=C.tl_dtype(shards[0].dtype), BLOCK=layout.block,
         VEC=C.vector_width(shards, [*m, *n, *offs], (shards[0].dtype, out.dtype)),
     )
 

@@ -58,12 +58,11 @@ def _triton(
     gathered: torch.Tensor, n: Sequence[int], offs: Sequence[int], outs: Sequence[torch.Tensor], world_size: int
 ) -> None:
     numels = [o.numel() for o in outs]
-    pieces = [C.rank_pieces(m, n_i, world_size) for m, n_i in zip(numels, n)]
-    block = C.block_size([d for per in pieces for d in per], gathered.device)
-    seg, work, programs = C.build_tables(outs, numels, n, offs, pieces, block, gathered.device)
+    layout = C.work_layout("ranks", tuple(numels), tuple(n), world_size, gathered.device.type)
+    seg, work = C.build_tables(outs, numels, n, offs, layout, gathered.device)
     C.launch(
-        "all_gather_copy_out", _all_gather_copy_out_kernel, programs, gathered, seg, work, sum(n),
-        DST=C.tl_dtype(outs[0].dtype), BLOCK=block,
+        "all_gather_copy_out", _all_gather_copy_out_kernel, layout.programs, gathered, seg, work, sum(n),
+        DST=C.tl_dtype(outs[0].dtype), BLOCK=layout.block,
         VEC=C.vector_width(outs, [*numels, *n, *offs], (gathered.dtype, outs[0].dtype)),
     )
 

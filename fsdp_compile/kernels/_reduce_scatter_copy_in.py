@@ -55,13 +55,13 @@ if triton is not None:
 def _triton(grads: Sequence[torch.Tensor], n: Sequence[int], offs: Sequence[int], out: torch.Tensor, world_size: int) -> None:
     # The kernel reads grad i as flat [M_i]: keep the contiguous copies alive until the launch is queued.
     grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
-    pieces = [(n_i,) * world_size for n_i in n]  # every rank's chunk is written whole: padding is zeroed
-    block = C.block_size([d for per in pieces for d in per], out.device)
+    # every rank's chunk is written whole: padding is zeroed
+    layout = C.work_layout("chunks", (), tuple(n), world_size, out.device.type)
     numels = [g.numel() for g in grads]
-    seg, work, programs = C.build_tables(grads, numels, n, offs, pieces, block, out.device)
+    seg, work = C.build_tables(grads, numels, n, offs, layout, out.device)
     C.launch(
-        "reduce_scatter_copy_in", _reduce_scatter_copy_in_kernel, programs, out, seg, work, sum(n),
-        SRC=C.tl_dtype(grads[0].dtype), BLOCK=block,
+        "reduce_scatter_copy_in", _reduce_scatter_copy_in_kernel, layout.programs, out, seg, work, sum(n),
+        SRC=C.tl_dtype(grads[0].dtype), BLOCK=layout.block,
         VEC=C.vector_width(grads, [*numels, *n, *offs], (grads[0].dtype, out.dtype)),
     )
 

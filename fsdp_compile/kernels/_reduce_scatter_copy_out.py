@@ -46,11 +46,11 @@ if triton is not None:
 
 def _triton(reduced: torch.Tensor, n: Sequence[int], offs: Sequence[int], outs: Sequence[torch.Tensor]) -> None:
     numels = [o.numel() for o in outs]
-    block = C.block_size(numels, reduced.device)
-    seg, work, programs = C.build_tables(outs, numels, n, offs, [(m,) for m in numels], block, reduced.device)
+    layout = C.work_layout("valid", tuple(numels), (), 1, reduced.device.type)
+    seg, work = C.build_tables(outs, numels, n, offs, layout, reduced.device)
     C.launch(
-        "reduce_scatter_copy_out", _reduce_scatter_copy_out_kernel, programs, reduced, seg, work,
-        DST=C.tl_dtype(outs[0].dtype), BLOCK=block,
+        "reduce_scatter_copy_out", _reduce_scatter_copy_out_kernel, layout.programs, reduced, seg, work,
+        DST=C.tl_dtype(outs[0].dtype), BLOCK=layout.block,
         VEC=C.vector_width(outs, [*numels, *offs], (reduced.dtype, outs[0].dtype)),
     )
 
