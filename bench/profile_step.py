@@ -99,10 +99,10 @@ def bucket_of(name: str, ancestors: list[str]) -> str:
         return "step barrier (bench)"
     if _WAIT.search(name):
         return "collective wait"
+    if name.startswith(("fsdp::", "fsdp_compile::")):  # before the launch pattern: fsdp_compile::all_gather_copy_in
+        return "copy-in/copy-out"
     if _LAUNCH.search(name) and "cpp_fused" not in name and "triton_" not in name:
         return "collective launch"
-    if name.startswith(("fsdp::", "fsdp_compile::")):
-        return "copy-in/copy-out"
     if _MATMUL.match(name):
         return "matmul"
     if _ATTENTION.search(name):
