@@ -42,7 +42,9 @@ from eager's, as any compiled float8 model's do).
 With --tp N (Llama models): torchtitan's TP plan (fsdp_compile.models.tensor_parallel: sequence parallel,
 column/row-parallel projections) on the tp dim of a (world/N, N) mesh, fully_shard over dp; the ranks of
 one TP group share their batch.
-Per variant: first-step time (includes the compile, from a cold Inductor cache unless --warm-cache),
+Per variant: first-step time (includes the compile, from a cold Inductor cache unless --warm-cache: each
+variant's own, in-memory caches cleared; Dynamo's code caches are shared, since one model's compiled
+frames may serve another's calls wherever the guards pass),
 median and p10/p90 step time over timed steps run in interleaved windows (drift hits every variant
 alike), the cost model's predicted step time next to it (cpu-gloo on CPU; for eager: the same graphs
 with collectives where eager issues them), collectives per step (Python c10d calls, i.e. eager hooks,
@@ -431,7 +433,8 @@ def main():
 
     for v in list(variants):  # warm-up: the first step compiles; a second lets caches settle
         try:
-            run(v, 1, timed=False)
+            with H.cold_compile(not args.warm_cache):  # not the earlier variants' kernels and graphs
+                run(v, 1, timed=False)
         except Exception as e:  # noqa: BLE001 - a variant that cannot compile this model is a result
             if v.name == "eager":
                 raise

@@ -300,7 +300,7 @@ def main():
             continue
         make = CVE.make_variant(name, args.model, args.backend)
         v = CVE.Variant(name, args.model, device, make, sharded=CVE.SHARD_WITH.get(name, True), mp=args.mp)
-        with H.compile_timing() as timing:
+        with H.cold_compile(not args.warm_cache), H.compile_timing() as timing:
             first = run(v, 1)[0]
         phases = H.compile_phases(timing, first)
         run(v, 2)  # warm-up
