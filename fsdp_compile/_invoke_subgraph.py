@@ -320,3 +320,31 @@ def _layout(operands) -> tuple | None:
         else:
             return None
     return tuple(out)
+
+
+@contextlib.contextmanager
+def subgraphs_donate_nothing():
+    """While Inductor compiles one of our graphs: a region's subgraph has no donated inputs.
+
+    Inductor lowers a region's body with ``SubgraphLowering``, whose ``GraphLowering.__init__`` takes
+    ``bw_donated_idxs`` from the tracing context: the donated inputs of the enclosing backward graph.
+    torch 2.13 then applies those indices to the subgraph's own placeholders, so a subgraph input that the
+    caller still owns (a region's incoming gradient) can be taken for a donated buffer and overwritten
+    with the region's output, while the caller, seeing no alias, reuses that input's storage after the
+    call. On fsdp_compile.models' 2-layer Llama this zeroed the embedding's incoming gradient before the
+    embedding backward read it: its gradient was off by 0.19, every other one exact
+    (``tests/test_ops.py::test_regions_under_inductor_two_layers``); 1, 3 or 4 layers escaped only because
+    the indices fell elsewhere. The enclosing graph keeps its own donations."""
+    from torch._inductor.graph import SubgraphLowering
+
+    original = SubgraphLowering.__init__
+
+    def __init__(self, parent, *args, **kwargs):
+        original(self, parent, *args, **kwargs)
+        self.bw_donated_idxs = None
+
+    SubgraphLowering.__init__ = __init__
+    try:
+        yield
+    finally:
+        SubgraphLowering.__init__ = original

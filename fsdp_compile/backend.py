@@ -35,6 +35,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from fsdp_compile import _dtensor, _record_cache
 from fsdp_compile._annotations import fsdp_meta
+from fsdp_compile._invoke_subgraph import subgraphs_donate_nothing
 from fsdp_compile.config import CompileConfig
 from fsdp_compile.debug.dump import CompileHook, readable
 from fsdp_compile.ops import DECOMPOSITIONS
@@ -240,7 +241,8 @@ def _inductor(gm, example_inputs, patches, captured, hook, stored: dict | None, 
         changes the graph, which the AOTAutograd cache's key would not see)."""
         kind = "backward" if kwargs.get("is_backward") else "forward"
         before = len(captured.records)
-        out = compile_fx_inner(g, *args, **kwargs)
+        with subgraphs_donate_nothing():  # torch 2.13 gives a region's body its caller's donations
+            out = compile_fx_inner(g, *args, **kwargs)
         if len(captured.records) == before and _is_top_level(g):  # the FX graph cache served it
             from_cache(kind)
         source = getattr(out, "source_code", None)

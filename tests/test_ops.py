@@ -133,13 +133,11 @@ def test_one_rank_issues_no_collective(gloo_world_1, mp):
 
 
 @pytest.mark.inductor
-@pytest.mark.xfail(strict=True, reason="known bug (2026-11-26): with regions under Inductor, the 2-layer Llama's "
-                   "embedding gradient is wrong (all others exact); regions off, aot_eager, or 1/3/4 layers are exact")
 def test_regions_under_inductor_two_layers(gloo_world_1):
     """fsdp_compile.models' default Llama (2 layers) on one rank, one step, Inductor with regions: every
-    gradient as eager FSDP2's. The backward calls its two block regions through two partitioned subgraphs
-    under one identifier (partitioned_bw_subgraph_0_1 and _0_0, both 'partitioned_bw_subgraph_0_0');
-    Inductor compiles a region once per identifier. Strict: this fails once the bug is fixed."""
+    gradient as eager FSDP2's. torch 2.13 gave a region's body its caller's donated-input indices, and here
+    the body wrote its output over its incoming gradient, whose storage the caller then reused for the
+    embedding's gradient: it was off by 0.19 (``_invoke_subgraph.subgraphs_donate_nothing``)."""
     import torch.nn.functional as F
     from torch.distributed.fsdp import fully_shard
 
