@@ -43,7 +43,7 @@ from fsdp_compile.passes.cost_model import CostModel
 from fsdp_compile.passes.pin_order import pin_collective_order
 from fsdp_compile.passes.pipeline import PassRecord, run_passes
 from fsdp_compile.passes.recompute import tag_unshard_recompute
-from fsdp_compile.passes.regions import RegionDecision, admit_regions
+from fsdp_compile.passes.regions import INDUCTOR_REGIONS_UNSOUND, RegionDecision, admit_regions
 from fsdp_compile.passes.schedule import Schedule
 from fsdp_compile.plan import ShardingPlan
 
@@ -159,7 +159,8 @@ def make_backend(
         if parallel:  # tracing starts from an empty DTensor sharding cache (see _dtensor.py); it refills eagerly
             _dtensor.clear_sharding_cache()
         # regions that would compute something else than the inline compile are inlined (passes/regions.py)
-        captured.regions.extend(admit_regions(gm, detect_fake_mode(example_inputs)))
+        refuse = INDUCTOR_REGIONS_UNSOUND if inductor and not torch.__version__.startswith("2.13.") else None
+        captured.regions.extend(admit_regions(gm, detect_fake_mode(example_inputs), refuse))
         hook.dynamo(len(captured.dynamo), gm)
         captured.dynamo.append(gm)
         if inductor:

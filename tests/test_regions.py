@@ -386,6 +386,31 @@ def test_admission_inlines_input_mutation():
     assert torch.equal(out, 4 * x) and torch.equal(fresh, 2 * (x > 0).sum(0))
 
 
+def test_admission_refuses_every_region_when_told():
+    """``refuse`` (the backend passes it under Inductor on a torch other than 2.13, where region calls
+    train wrong: 2.14.1) inlines every call, nested ones under a checkpoint too, each with that reason;
+    the graph computes what it did."""
+    from torch.utils.checkpoint import checkpoint
+
+    from fsdp_compile.passes.regions import INDUCTOR_REGIONS_UNSOUND, admit_regions
+
+    @torch.compiler.nested_compile_region
+    def body(x, w):
+        return torch.tanh(x @ w)
+
+    def fn(x, w):
+        return checkpoint(body, x, w, use_reentrant=False) + body(x, w)
+
+    x, w = torch.randn(4, 4), torch.randn(4, 4)
+    gm, fake_mode = _dynamo_graph(fn, x, w)
+    decisions = admit_regions(gm, fake_mode, refuse=INDUCTOR_REGIONS_UNSOUND)
+    assert [d.why for d in decisions] == [INDUCTOR_REGIONS_UNSOUND] * 2, decisions
+    assert not any(n.target is _invoke_subgraph for m in gm.modules() if isinstance(m, torch.fx.GraphModule)
+                   for n in m.graph.nodes)
+    (out,) = gm(x, w)
+    assert torch.allclose(out, 2 * torch.tanh(x @ w))
+
+
 def test_complex_region_trains():
     """Complex RoPE inside a region saves a conjugate view for the backward region: torch 2.13 has no
     Conjugate kernel for invoke_subgraph; ours (fsdp_compile._invoke_subgraph) resolves it, bitwise."""

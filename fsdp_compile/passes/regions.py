@@ -59,28 +59,34 @@ class RegionDecision:
     why: str | None
 
 
-def admit_regions(gm: fx.GraphModule, fake_mode=None) -> list[RegionDecision]:
+INDUCTOR_REGIONS_UNSOUND = (
+    "this torch's Inductor computes wrong gradients through region calls (torch 2.14.1: every gradient of "
+    "fsdp_compile.models' 2-layer Llama off, by up to 3e3; exact inline, and exact as regions on torch 2.13)"
+)
+
+
+def admit_regions(gm: fx.GraphModule, fake_mode=None, refuse: str | None = None) -> list[RegionDecision]:
     """Inline (in place) every region call that would differ from the inline compile; return one decision
     per call, in graph order. ``fake_mode``: Dynamo's, to re-trace region bodies to ATen (None: detect it
-    from the graph's example values)."""
+    from the graph's example values). ``refuse``: inline every region call, for this reason."""
     verdicts: dict[int, str | None] = {}  # id(body) -> why not (one analysis per distinct body)
     decisions: list[RegionDecision] = []
-    _walk(gm, under_checkpoint=False, fake_mode=fake_mode, verdicts=verdicts, decisions=decisions)
+    _walk(gm, under_checkpoint=False, fake_mode=fake_mode, verdicts=verdicts, decisions=decisions, refuse=refuse)
     return decisions
 
 
-def _walk(gm: fx.GraphModule, under_checkpoint: bool, fake_mode, verdicts, decisions) -> None:
+def _walk(gm: fx.GraphModule, under_checkpoint: bool, fake_mode, verdicts, decisions, refuse=None) -> None:
     changed = False
     for node in list(gm.graph.nodes):
         if node.op != "call_function":
             continue
         if node.target is _CHECKPOINT:
-            _walk(_attr(gm, node.args[0]), True, fake_mode, verdicts, decisions)
+            _walk(_attr(gm, node.args[0]), True, fake_mode, verdicts, decisions, refuse)
         elif node.target is _INVOKE_SUBGRAPH:
             body = _attr(gm, node.args[0])
             key = id(body)
             if key not in verdicts:
-                verdicts[key] = _why_not(body, fake_mode)
+                verdicts[key] = refuse or _why_not(body, fake_mode)
             why = verdicts[key]
             if why == RANDOM_UNDER_CHECKPOINT and not under_checkpoint:
                 why = None
@@ -95,7 +101,7 @@ def _walk(gm: fx.GraphModule, under_checkpoint: bool, fake_mode, verdicts, decis
                 if isinstance(arg, fx.Node) and arg.op == "get_attr":
                     sub = _attr(gm, arg)
                     if isinstance(sub, fx.GraphModule):
-                        _walk(sub, under_checkpoint, fake_mode, verdicts, decisions)
+                        _walk(sub, under_checkpoint, fake_mode, verdicts, decisions, refuse)
     if changed:
         for node in list(gm.graph.find_nodes(op="get_attr")):
             if not node.users:  # the inlined bodies' references (the bodies stay attributes: others may share them)
