@@ -233,6 +233,132 @@ def test_memoized_unit_costs_predict_the_same():
     assert memo
 
 
+def _programs(seed: int):
+    """Varied unit programs: Llama modules resharded or kept, per module / per parameter / the root split,
+    on a GPU profile and on gloo's (scratch), each schedule's issue points and sinks drawn at random."""
+    import random
+
+    from fsdp_compile.passes import unit_costs
+
+    rng = random.Random(seed)
+    for reshard, policy, hw in [(True, "fsdp_group", "h100-nvlink"), (False, "none", "cpu-gloo"), (True, "auto", "cpu-gloo"),
+                                (True, "none", "h100-ib")]:
+        mods = _llama_modules(8, reshard_after_forward=reshard, n_layers=2)
+        cm = CostModel(hw)
+        base = plan_schedule(mods, policy=policy, reorder=False, cost_model=cm, workload=64).units
+        for _ in range(6):
+            order = backward_order(base)
+            units = [dataclasses.replace(u, issue_at=rng.randint(max(0, i - 3), i),
+                                         backward_issue_at=order[rng.randint(max(0, order.index(i) - 3), order.index(i))],
+                                         sink=rng.randint(0, 2)) for i, u in enumerate(base)]
+            yield units, mods, cm, unit_costs.unit_costs(units, {m.fqn: m for m in mods}, cm, 64)
+
+
+def test_prediction_runs_the_event_simulators_rules():
+    """``predict``'s machine applies ``_program.run``'s and ``timeline``'s rules as the program is written:
+    its result equals theirs on the ops it recorded, bit for bit, blocking (eager on CPU) or not."""
+    from fsdp_compile.passes import _program
+    from fsdp_compile.passes.predict import _Backward, _Forward, _run
+
+    n = 0
+    for units, _, cm, c in _programs(0):
+        for program in (_Forward(units, c), _Backward(units, c)):
+            for blocking in (False, True):
+                result, m = _run(program, cm.profile, blocking, record=True)
+                step, busy, _ = _program.run(m.ops, cm.profile.op_overhead)
+                assert result == {"step_s": step, "exposed_s": step - busy, "comm_peak_bytes": max(_program.timeline(m.ops))}
+                n += 1
+    assert n == 4 * 6 * 4
+
+
+def test_search_predicts_like_predict(monkeypatch):
+    """The planner's search simulates a candidate only from the first segment its change touches until its
+    state meets the current schedule's: every candidate's prediction equals ``predict``'s on the whole
+    schedule (times to a trillionth, bytes exactly), the shortcut is taken, and the schedules planned are
+    those a search by whole predictions plans, bit for bit."""
+    from fsdp_compile.passes import planner
+    from fsdp_compile.passes import predict as P
+
+    met = []
+    meets = P._meets
+    monkeypatch.setattr(P, "_meets", lambda m, state: met.append(meets(m, state)) or met[-1])
+
+    class Search(P.Search):
+        def __init__(self, units, modules, cost_model, workload, memo=None):
+            super().__init__(units, modules, cost_model, workload, memo)
+            self.args = (modules, cost_model, workload)
+
+    class Checked(Search):
+        def trial(self, i, unit):
+            pred = super().trial(i, unit)
+            whole = predict(self._pending[0], *self.args)
+            for d in ("forward", "backward"):
+                assert pred[d]["comm_peak_bytes"] == whole[d]["comm_peak_bytes"], (i, unit, d)
+                for k in ("step_s", "exposed_s"):
+                    assert pred[d][k] == pytest.approx(whole[d][k], rel=1e-12, abs=1e-15), (i, unit, d, k)
+            return pred
+
+    class Whole(Search):  # the search as it was: every candidate predicted whole
+        def trial(self, i, unit):
+            units = list(self.units)
+            units[i] = unit
+            self._pending = (units, [])
+            return predict(units, *self.args)
+
+    def plans(search):
+        monkeypatch.setattr(planner, "Search", search)
+        out = []
+        for reshard, world, hw, policy, budget in [
+            (True, 8, "h100-nvlink", "none", None), (True, 8, "h100-nvlink", "auto", None), (False, 64, "h100-ib", "none", None),
+            (True, 2, "cpu-gloo", "none", None), (True, 1024, "h100-ib", "fsdp_group", None), (True, 8, "h100-nvlink", "none", 1e8),
+        ]:
+            mods = _llama_modules(world, reshard_after_forward=reshard, n_layers=3)
+            out.append(plan_schedule(mods, policy=policy, reorder=True, cost_model=CostModel(hw), workload=2048,
+                                     memory_budget_bytes=budget).digest())
+        return out
+
+    checked = plans(Checked)
+    assert met.count(True) > 100 and met.count(False) > 0, (met.count(True), met.count(False))
+    assert checked == plans(Whole)
+
+
+def test_states_meet_only_up_to_a_shift_in_time():
+    """``_meets``: two simulations meet where everything ahead of them is the same relative to now: the
+    bytes live, the buffers held, the collectives pending and when each ends, when each stream is free."""
+    from fsdp_compile.passes.predict import _Machine, _meets, _rs
+
+    def machine(t0, *, second=1.0, pg="pg", release=True):
+        m = _Machine(PROFILE, False)
+        m.compute(t0)
+        m.issue(_rs(0), "reduce_scatter", "pg", 1.0, MB)
+        m.issue(_rs(1), "reduce_scatter", pg, second, MB)
+        m.wait(_rs(0))
+        if release:
+            m.release(_rs(0))
+        return m
+
+    a = machine(1.0)
+    assert _meets(machine(3.0), a.state())  # the same, two seconds later
+    assert not _meets(machine(3.0, second=2.0), a.state())  # a stream free later
+    assert not _meets(machine(3.0, pg="other"), a.state())  # the same bytes, another stream busy
+    assert not _meets(machine(3.0, release=False), a.state())  # a reduce-scatter still held
+
+    def changed(m, field, edit):
+        state = list(m.state())
+        i = ("t", "busy", "free", "pending", "rs_held", "live", "peak").index(field)
+        state[i] = edit(state[i])
+        return tuple(state)
+
+    kept = machine(1.0, release=False)
+    assert _meets(kept, changed(kept, "peak", lambda p: p + MB))  # what was live before does not matter ahead
+    assert not _meets(kept, changed(kept, "rs_held", lambda h: frozenset({_rs(1), _rs(2)})))  # another one held
+    assert not _meets(kept, changed(kept, "free", lambda f: {**f, "other": 9.0}))  # a stream busy that is not here
+    assert not _meets(kept, changed(kept, "pending", lambda p: {**p, _rs(0): (0.0, 0)}))  # a wait not made here
+    end, scratch = kept.pending[_rs(1)]
+    assert not _meets(kept, changed(kept, "pending", lambda p: {**p, _rs(1): (end - 0.5, scratch)}))  # ends earlier
+    assert _meets(kept, changed(kept, "pending", lambda p: {**p, _rs(1): (end + 1e-15, scratch)}))  # to a trillionth
+
+
 def test_eager_fsdp2_reference():
     """Eager FSDP2 on the same program: no forward prefetch, the next module prefetched in backward."""
     mods = _llama_modules(8)

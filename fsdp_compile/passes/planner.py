@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 
 from fsdp_compile.passes.cost_model import CostModel
-from fsdp_compile.passes.predict import peak_bytes, predict, step_s
+from fsdp_compile.passes.predict import Search, peak_bytes, predict, step_s
 from fsdp_compile.passes.schedule import Module, Schedule, Unit, backward_order
 from fsdp_compile.plan import inside
 
@@ -193,7 +193,7 @@ def plan_schedule(
         units = _merge(units, ev, budget, bucket_cap_bytes, {m.fqn: m.key for m in modules}, reorder)
     fixed_fwd, fixed_bwd = _apply_fsdp2_prefetch(units, modules)
     if reorder:
-        _search(units, ev, budget, fixed_fwd, fixed_bwd)
+        _search(units, Search(units, modules, cost_model, workload, costs), budget, fixed_fwd, fixed_bwd)
     return Schedule(
         units=tuple(units),
         policy=policy if isinstance(policy, str) else "explicit",
@@ -296,19 +296,20 @@ def _one_ahead(units: list[Unit]) -> list[Unit]:
     return out
 
 
-def _search(units: list[Unit], ev, budget: int, fixed_fwd: set[int], fixed_bwd: set[int]) -> None:
+def _search(units: list[Unit], search: Search, budget: int, fixed_fwd: set[int], fixed_bwd: set[int]) -> None:
     """In place, greedy, unit by unit: the prefetch distance (forward, then backward) and the sink depth
     that give the fastest predicted step within the budget; a tie keeps the less aggressive choice. All
-    -gathers stay in order in each direction."""
-    best = ev(units)
+    -gathers stay in order in each direction. Each candidate differs from the current schedule in one
+    unit, and ``search`` (``predict.Search``) simulates only what the change touches."""
+    best = search.current()
 
     def consider(i: int, **change) -> None:
         nonlocal best
-        trial = list(units)
-        trial[i] = dataclasses.replace(units[i], **change)
-        pred = ev(trial)
+        unit = dataclasses.replace(units[i], **change)
+        pred = search.trial(i, unit)
         if peak_bytes(pred) <= budget and step_s(pred) < step_s(best) * (1 - 1e-9):
-            units[i], best = trial[i], pred
+            search.accept()
+            units[i], best = unit, pred
 
     for i in range(1, len(units)):
         if i not in fixed_fwd:
