@@ -378,8 +378,9 @@ def main() -> None:
         "cuda": cuda,
     }
     if not isinstance(cuda, str):
-        result["env"] |= {"device": torch.cuda.get_device_name(), "gpu_count": torch.cuda.device_count(),
-                          "cuda_version": torch.version.cuda, "timing": "CUDA events, cold L2, medians; wall: host clock"}
+        # the same keys as every other GPU result (device, gpu_count, torch, cuda, triton, nccl)
+        result["env"] |= H.gpu_info(torch.cuda.current_device()) | {
+            "timing": "CUDA events, cold L2, medians; wall: host clock"}
     H.write_json(str(args.out), result)
     print(f"wrote {args.out}")
 
