@@ -1,6 +1,7 @@
 """Three additions to torch 2.13's ``invoke_subgraph``: a Conjugate kernel, which it lacks, and, while our
 compiled step runs, one schema per region and operand layout instead of one per call, and two checks on
-Dynamo's reuse of a region's trace for another block.
+Dynamo's reuse of a region's trace for another block. Two more fix Inductor's lowering of a region call while
+our graphs compile (``subgraphs_donate_nothing``, ``region_outputs_alias_inputs``).
 
 A region whose forward saves a complex tensor for its backward (complex RoPE: ``view_as_complex(q) *
 freqs_cis``, whose backward multiplies by ``freqs_cis.conj()``) can hand the backward region a tensor with
@@ -348,3 +349,103 @@ def subgraphs_donate_nothing():
         yield
     finally:
         SubgraphLowering.__init__ = original
+
+
+def _aliased_inputs(body) -> list[tuple[int, ...]]:
+    """Per output of a lowered region body (a ``SubgraphLowering`` that has run): the indices of the body's
+    inputs whose storage that output is, or views (an input returned as is, a ``reinterpret_tensor`` of
+    one, or an aliasing kernel's output over one, followed transitively)."""
+    from torch._inductor import ir
+
+    index = {name: i for i, name in enumerate(body.graph_input_names)}
+    result = []
+    for out in body.graph_outputs:
+        node = out
+        while isinstance(node, (ir.TensorBox, ir.StorageBox, ir.BaseView)):
+            node = node.data
+        try:
+            pending = [node.get_name()]
+        except (AttributeError, NotImplementedError):  # None, a constant, a symbolic size
+            pending = []
+        seen: set[str] = set()
+        found: set[int] = set()
+        while pending:
+            name = pending.pop()
+            if name in seen:
+                continue
+            seen.add(name)
+            if name in index:
+                found.add(index[name])
+            buf = body.name_to_buffer.get(name)
+            if buf is not None:
+                pending.extend(buf.get_inputs_that_alias_output())
+        result.append(tuple(sorted(found)))
+    return result
+
+
+def region_aliases_patchable() -> bool:
+    """Whether this torch has what ``region_outputs_alias_inputs`` patches."""
+    from torch._inductor import ir
+
+    return isinstance(vars(ir.InvokeSubgraph).get("create"), classmethod) and hasattr(
+        ir.MultiOutput, "get_inputs_that_alias_output"
+    )
+
+
+@contextlib.contextmanager
+def region_outputs_alias_inputs():
+    """While Inductor compiles one of our graphs: a region call's outputs that are its inputs (or views of
+    them) are known to alias those inputs.
+
+    AOTAutograd partitions a region into a forward body that returns ``(*outputs, *saved)`` and a
+    backward body that takes ``saved``; a saved tensor can be one of the forward body's inputs (a block
+    saves its input activation for RMSNorm's backward), so the body returns that input as an output.
+    Inductor lowers the call (``ir.InvokeSubgraph.create``) to one ``MultiOutput`` per output, each a
+    fresh buffer to the caller's scheduler, which declares no alias (``get_inputs_that_alias_output`` is
+    empty): the input's buffer is freed at the call, and the wrapper's memory planner may hand its storage
+    to a later buffer of the same size while the saved output, the same storage, still waits for the
+    backward. On fsdp_compile.models' 2-layer Llama the final norm's output was written over layer 1's
+    saved input: every gradient but layer 1's FFN off, by up to 3.7e3 (torch 2.14.1, whose
+    ``aten_distributed_optimizations.enable_simple_overlap`` fills in the buffer sizes that the planner's
+    peak estimate needs; on torch 2.13 the estimate was 0 and the reuse was never taken, unless
+    ``reorder_for_peak_memory`` filled them in, with the same 3.7e3). Here each such ``MultiOutput``
+    names the caller's operands it aliases, as Inductor's own aliasing kernels do: the scheduler keeps
+    an input alive (and out of the reuse pool) while an output aliasing it lives
+    (``tests/test_ops.py::test_regions_under_inductor_two_layers``). Nothing else is changed: an output
+    that aliases no input is still a fresh buffer."""
+    if not region_aliases_patchable():
+        yield
+        return
+    from torch._inductor import ir
+
+    invoke = ir.InvokeSubgraph
+    original_create = vars(invoke)["create"]
+    original_aliases = ir.MultiOutput.get_inputs_that_alias_output
+
+    def create(cls, subgraph, *operands):
+        outs = original_create.__func__(cls, subgraph, *operands)
+        call = next((o.inputs[0] for o in outs if isinstance(o, ir.MultiOutput)), None)
+        body = getattr(subgraph, "graph", None)
+        if call is None or body is None or len(call.inputs) != len(body.graph_input_names):
+            return outs
+        for out, aliased in zip(outs, _aliased_inputs(body)):
+            if isinstance(out, ir.MultiOutput) and aliased:
+                names = []
+                for i in aliased:
+                    try:
+                        names.append(call.inputs[i].get_name())
+                    except (AttributeError, NotImplementedError):  # a size, not a buffer
+                        pass
+                out.fsdp_compile_aliases = tuple(names)
+        return outs
+
+    def get_inputs_that_alias_output(self):
+        return [*original_aliases(self), *getattr(self, "fsdp_compile_aliases", ())]
+
+    invoke.create = classmethod(create)
+    ir.MultiOutput.get_inputs_that_alias_output = get_inputs_that_alias_output
+    try:
+        yield
+    finally:
+        invoke.create = original_create
+        ir.MultiOutput.get_inputs_that_alias_output = original_aliases

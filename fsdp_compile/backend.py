@@ -35,7 +35,11 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from fsdp_compile import _dtensor, _record_cache
 from fsdp_compile._annotations import fsdp_meta
-from fsdp_compile._invoke_subgraph import subgraphs_donate_nothing
+from fsdp_compile._invoke_subgraph import (
+    region_aliases_patchable,
+    region_outputs_alias_inputs,
+    subgraphs_donate_nothing,
+)
 from fsdp_compile.config import CompileConfig
 from fsdp_compile.debug.dump import CompileHook, readable
 from fsdp_compile.ops import DECOMPOSITIONS
@@ -113,6 +117,11 @@ class _DecompTable(dict):
         return (_decomp_table, ())
 
 
+# torch versions on which regions under Inductor, with subgraphs_donate_nothing and region_outputs_alias_inputs,
+# give eager FSDP2's gradients (tests/test_ops.py::test_regions_under_inductor_two_layers)
+REGIONS_SOUND_UNDER_INDUCTOR = ("2.13.", "2.14.1")
+
+
 def _is_backward(graph: torch.fx.Graph) -> bool:
     return any(n.op == "placeholder" and n.name.startswith("tangents") for n in graph.nodes)
 
@@ -159,7 +168,9 @@ def make_backend(
         if parallel:  # tracing starts from an empty DTensor sharding cache (see _dtensor.py); it refills eagerly
             _dtensor.clear_sharding_cache()
         # regions that would compute something else than the inline compile are inlined (passes/regions.py)
-        refuse = INDUCTOR_REGIONS_UNSOUND if inductor and not torch.__version__.startswith("2.13.") else None
+        # under Inductor, only on the torches whose region lowering our patches were measured to fix
+        sound = torch.__version__.startswith(REGIONS_SOUND_UNDER_INDUCTOR) and region_aliases_patchable()
+        refuse = INDUCTOR_REGIONS_UNSOUND if inductor and not sound else None
         captured.regions.extend(admit_regions(gm, detect_fake_mode(example_inputs), refuse))
         hook.dynamo(len(captured.dynamo), gm)
         captured.dynamo.append(gm)
@@ -178,10 +189,12 @@ def make_backend(
                     "pin", key, lambda g: pin_collective_order(g.owning_module) if moves_anything else None
                 ),
             }
-            # Inductor's scheduler reorders for peak memory by default. On torch 2.13 that corrupts reused
+            # Inductor's scheduler reorders for peak memory by default. On torch 2.13 that corrupted reused
             # regions (measured: layer 0's gradients off by 2e4 relative, with torch's own
             # nested_compile_region on a Llama block, no FSDP; the donation fix of pytorch#193960 is
-            # related), and it also undoes our prefetches. Our schedule plans memory itself.
+            # related): it fills in the buffer sizes with which the wrapper's memory planner reuses a
+            # region's input that a region output aliases (_invoke_subgraph.region_outputs_alias_inputs
+            # fixes that). It also undoes our prefetches. Our schedule plans memory itself.
             patches["reorder_for_peak_memory"] = False
             if config.dump_dir:
                 patches["fx_graph_cache"] = False  # a cache hit would skip the passes that write the dump
@@ -242,7 +255,8 @@ def _inductor(gm, example_inputs, patches, captured, hook, stored: dict | None, 
         changes the graph, which the AOTAutograd cache's key would not see)."""
         kind = "backward" if kwargs.get("is_backward") else "forward"
         before = len(captured.records)
-        with subgraphs_donate_nothing():  # torch 2.13 gives a region's body its caller's donations
+        # torch gives a region's body its caller's donations, and frees a region's inputs that its outputs alias
+        with subgraphs_donate_nothing(), region_outputs_alias_inputs():
             out = compile_fx_inner(g, *args, **kwargs)
         if len(captured.records) == before and _is_top_level(g):  # the FX graph cache served it
             from_cache(kind)

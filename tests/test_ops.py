@@ -137,7 +137,9 @@ def test_regions_under_inductor_two_layers(gloo_world_1):
     """fsdp_compile.models' default Llama (2 layers) on one rank, one step, Inductor with regions: every
     gradient as eager FSDP2's. torch 2.13 gave a region's body its caller's donated-input indices, and here
     the body wrote its output over its incoming gradient, whose storage the caller then reused for the
-    embedding's gradient: it was off by 0.19 (``_invoke_subgraph.subgraphs_donate_nothing``)."""
+    embedding's gradient: it was off by 0.19 (``_invoke_subgraph.subgraphs_donate_nothing``). torch 2.14.1
+    reused layer 1's input, which its forward region returns as a saved tensor, for the final norm's output:
+    every gradient but layer 1's FFN off, by up to 3.7e3 (``_invoke_subgraph.region_outputs_alias_inputs``)."""
     import torch.nn.functional as F
 
     import parity
@@ -151,3 +153,42 @@ def test_regions_under_inductor_two_layers(gloo_world_1):
     for (name, a), b in zip(eager.named_parameters(), model.parameters()):
         diff = (a.grad.full_tensor() - b.grad.full_tensor()).abs().max().item()
         assert diff < 1e-4, (name, diff)
+    regions = compiled.captured.regions
+    assert regions and all(d.why is None for d in regions), regions  # regions, not inlined
+
+
+@pytest.mark.inductor
+def test_region_outputs_that_are_inputs_keep_them_alive():
+    """torch alone (no FSDP, none of our ops): the 2-layer Llama's blocks as torch's own
+    ``nested_compile_region`` under Inductor with its default config (``reorder_for_peak_memory`` on, which
+    fills in the buffer sizes the wrapper's memory planner reuses by). Each block's forward region returns
+    its input, saved for RMSNorm's backward; Inductor lowered that output as a fresh buffer, freed the
+    input at the call and gave its storage to the final norm's output. On torch 2.13 that made every
+    gradient but layer 1's FFN wrong, by up to 3.7e3; within ``region_outputs_alias_inputs`` they match
+    eager's (the same lowering our backend runs on torch 2.14.1 by default)."""
+    import copy
+
+    import torch.nn.functional as F
+
+    from fsdp_compile._invoke_subgraph import region_aliases_patchable, region_outputs_alias_inputs
+    from fsdp_compile.models import Llama, LlamaArgs
+
+    assert region_aliases_patchable()
+    torch.manual_seed(0)
+    model = Llama(LlamaArgs(n_layers=2))
+    eager, template = copy.deepcopy(model), copy.deepcopy(model.layers[0])
+
+    @torch.compiler.nested_compile_region
+    def region(params, x, cache):
+        return torch.func.functional_call(template, params, (x, cache))
+
+    for block in model.layers:
+        block.forward = (lambda b: lambda x, cache: region(dict(b.named_parameters()), x, cache))(block)
+    tokens = torch.randint(0, 256, (4, 65), generator=torch.Generator().manual_seed(1))
+    compiled = torch.compile(model, backend="inductor", fullgraph=True)
+    with torch._inductor.config.patch(fx_graph_cache=False, reorder_for_peak_memory=True), region_outputs_alias_inputs():
+        for m in (eager, compiled):
+            F.cross_entropy(m(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    for (name, a), b in zip(eager.named_parameters(), model.parameters()):
+        assert (a.grad - b.grad).abs().max().item() < 1e-4, name
+    torch._dynamo.reset()

@@ -60,8 +60,10 @@ class RegionDecision:
 
 
 INDUCTOR_REGIONS_UNSOUND = (
-    "this torch's Inductor computes wrong gradients through region calls (torch 2.14.1: every gradient of "
-    "fsdp_compile.models' 2-layer Llama off, by up to 3e3; exact inline, and exact as regions on torch 2.13)"
+    "regions under this torch's Inductor are not known to be sound: its lowering of a region call may reuse "
+    "the memory of a region input that a region output aliases (torch 2.14.1 without "
+    "fsdp_compile._invoke_subgraph.region_outputs_alias_inputs: every gradient of fsdp_compile.models' "
+    "2-layer Llama off, by up to 3.7e3; exact inline)"
 )
 
 
