@@ -385,15 +385,17 @@ class Search:
     def trial(self, i: int, unit: Unit) -> dict:
         """The prediction of the current units with unit ``i`` replaced by ``unit`` (its costs the same);
         ``accept`` makes it current."""
+        old = self.units[i]
+        if dataclasses.replace(unit, issue_at=old.issue_at, backward_issue_at=old.backward_issue_at, sink=old.sink) != old:
+            raise ValueError(f"Search judges changes of issue_at, backward_issue_at and sink only, not {unit} for {old}")
         units = list(self.units)
         units[i] = unit
-        old = self.units[i]
         pred, changes = self.current(), []
         if unit.issue_at != old.issue_at:
             program = _Forward(units, self.c)
             pred["forward"], lo = self.forward.trial(program, i)
             changes.append((self.forward, program, lo))
-        if (unit.backward_issue_at, unit.sink, unit.regathers) != (old.backward_issue_at, old.sink, old.regathers):
+        if (unit.backward_issue_at, unit.sink) != (old.backward_issue_at, old.sink):
             program = _Backward(units, self.c)
             pred["backward"], lo = self.backward.trial(program, i)
             changes.append((self.backward, program, lo))
