@@ -130,15 +130,19 @@ class _Machine:
         return {"step_s": step, "exposed_s": step - self.busy, "comm_peak_bytes": self.peak}
 
 
-def _anchors(units: Sequence[Unit], order: Sequence[int], attr: str) -> dict[int, list[int]]:
-    """Position in ``order`` -> the units whose all-gather is issued there, in ``order``."""
+def _anchors(order: Sequence[int], anchors: Sequence[int]) -> tuple[dict[int, list[int]], dict[int, int]]:
+    """Where each unit's all-gather is issued, given the unit it is issued at (``anchors``, by unit; one that
+    is no earlier unit in ``order`` means just in time): position in ``order`` -> the units issued there,
+    in ``order``; and unit -> its position."""
     position = {u: k for k, u in enumerate(order)}
-    out: dict[int, list[int]] = {}
+    issues: dict[int, list[int]] = {}
+    at: dict[int, int] = {}
     for i in order:
-        anchor = getattr(units[i], attr)
-        k = position[anchor] if 0 <= anchor < len(units) and position[anchor] <= position[i] else position[i]
-        out.setdefault(k, []).append(i)
-    return out
+        anchor = anchors[i]
+        k = position[anchor] if 0 <= anchor < len(anchors) and position[anchor] <= position[i] else position[i]
+        issues.setdefault(k, []).append(i)
+        at[i] = k
+    return issues, at
 
 
 class _Forward:
@@ -147,7 +151,7 @@ class _Forward:
 
     def __init__(self, units: Sequence[Unit], c: UnitCosts):
         self.units, self.c = units, c
-        self.issues = _anchors(units, range(len(units)), "issue_at")
+        self.issues, self.issued_at = _anchors(range(len(units)), [u.issue_at for u in units])
         self.segments = len(units) + 1
 
     def start(self, m: _Machine) -> None:
@@ -167,7 +171,7 @@ class _Forward:
 
     def touched(self, i: int, other: _Forward) -> tuple[int, int]:
         """The first and last segments whose ops differ from ``other``'s, which differs in unit ``i`` only."""
-        at = [k for p in (self, other) for k, js in p.issues.items() if i in js]
+        at = (self.issued_at[i], other.issued_at[i])
         return min(at), max(at)
 
 
@@ -181,8 +185,7 @@ class _Backward:
         self.units, self.c = units, c
         self.order = order = backward_order(units)
         self.position = {i: k for k, i in enumerate(order)}
-        self.issues = _anchors([u if u.regathers else dataclasses.replace(u, backward_issue_at=-1) for u in units],
-                               order, "backward_issue_at")
+        self.issues, self.issued_at = _anchors(order, [u.backward_issue_at if u.regathers else -1 for u in units])
         self.early = [i for i in order if units[i].tail and not c.late[i]]  # a head apart from its leading parameters
         reduced = self.early + [i for i in order if not units[i].tail] + [i for i in order if units[i].tail and c.late[i]]
         self.reduced = [i for i in reduced if units[i].reduce_scatter_bytes]
@@ -256,7 +259,7 @@ class _Backward:
 
     def touched(self, i: int, other: _Backward) -> tuple[int, int]:
         """The first and last segments whose ops differ from ``other``'s, which differs in unit ``i`` only."""
-        at = [k for p in (self, other) for k, js in p.issues.items() if i in js]
+        at = [self.issued_at[i], other.issued_at[i]]
         if i in self.rank:
             at += [self._reduced_in(i), self._sinks_in(i), other._sinks_in(i)]
         return min(at), max(at)
@@ -316,7 +319,6 @@ class _Direction:
     def __init__(self, program, profile: HardwareProfile):
         self.profile = profile
         self.nbytes: dict[int, int] = {}  # shared by every machine: a buffer has the same bytes in every schedule
-        self.program = program
         m = self._machine()
         program.start(m)
         self.start_peak = m.peak
