@@ -107,13 +107,16 @@ def kernels(arch: int) -> dict:
                 (odd, aligned), itertools.product(C.TRITON_DTYPES, repeat=2), (1, 8)):
             rank, pair = world - 1, (str(src).removeprefix("torch."), str(dst).removeprefix("torch."))
             n = [L.padded_rows(s[0], world) * L.inner_numel(s) for s in shapes]
-            offs = L.offsets(n)
             shards = [torch.zeros((L.rank_rows(s[0], world, rank), *s[1:]), dtype=src) for s in shapes]
-            agi._triton(shards, n, offs, torch.empty(sum(n), dtype=dst))
-            ago._triton(torch.zeros(world * sum(n), dtype=src), n, offs, [torch.empty(s, dtype=dst) for s in shapes], world)
-            rsi._triton([torch.zeros(s, dtype=src) for s in shapes], n, offs, torch.empty(world * sum(n), dtype=dst), world)
+            flat, ndims = C.flatten_shapes(shapes)
+            agi._triton(shards, agi._plan(tuple(s.shape for s in shards), tuple(s[0] for s in shapes), world, rank),
+                        torch.empty(sum(n), dtype=dst))
+            ago._triton(torch.zeros(world * sum(n), dtype=src), ago._plan(tuple(flat), tuple(ndims), world),
+                        [torch.empty(s, dtype=dst) for s in shapes], world)
+            rsi._triton([torch.zeros(s, dtype=src) for s in shapes], rsi._plan(tuple(shapes), world),
+                        torch.empty(world * sum(n), dtype=dst), world)
             grads = [torch.empty((L.rank_rows(s[0], world, rank), *s[1:]), dtype=dst) for s in shapes]
-            rso._triton(torch.zeros(sum(n), dtype=src), n, offs, grads)
+            rso._triton(torch.zeros(sum(n), dtype=src), rso._plan(tuple(flat), tuple(ndims), world, rank), grads)
     finally:
         triton.runtime.driver._active = previous
     return {"arch": arch, "triton": triton.__version__, "block": C._GPU_BLOCK, "warps": C._GPU_WARPS,

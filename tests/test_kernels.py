@@ -535,6 +535,49 @@ def test_ops_trace_with_fake_tensors():
         assert [n.target for n in gm.graph.nodes if n.op == "call_function" and n.target is op] == [op]
 
 
+def test_ops_run_directly_only_where_the_dispatcher_would(monkeypatch):
+    """The ops' autograd kernel (_library._autograd_kernel) runs the implementation itself for calls that
+    record no graph on plain tensors, as a compiled step makes them; a call that needs a graph, or meets a
+    fake tensor or a dispatch mode, goes through the dispatcher as torch.library.register_autograd's would."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten, tree_map_only
+
+    redispatched = []
+    real = torch._ops.OpOverload.redispatch
+    monkeypatch.setattr(torch._ops.OpOverload, "redispatch", lambda op, *a, **k: redispatched.append(op) or real(op, *a, **k))
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func)
+            return func(*args, **(kwargs or {}))
+
+    for op, args in _op_cases("torch"):
+        redispatched.clear()
+        with torch.no_grad():
+            direct = op(*args)
+        assert redispatched == [], op
+        with torch.no_grad(), torch._C._AutoDispatchBelowAutograd():  # what the dispatcher would run
+            expected = op(*args)
+        assert all(torch.equal(a, b) for a, b in zip(tree_flatten(direct)[0], tree_flatten(expected)[0])), op
+        redispatched.clear()
+        with Seen() as mode, torch.no_grad():
+            op(*args)
+        assert op in mode.ops and redispatched == [op], op
+        redispatched.clear()
+        with FakeTensorMode() as fake_mode, torch.no_grad():
+            out = op(*tree_map_only(torch.Tensor, fake_mode.from_tensor, args))
+        assert all(isinstance(t, FakeTensor) for t in tree_flatten(out)[0]) and redispatched == [op], op
+        grad_args = tree_map_only(torch.Tensor, lambda t: t.detach().requires_grad_(), args)
+        redispatched.clear()
+        out = op(*grad_args)
+        assert all(t.grad_fn is not None for t in tree_flatten(out)[0]) and redispatched == [op], op
+
+
 def _unshard_reshard(shards, grads, world_size, rank, impl):
     """What the capture code does around the collectives: copy-in, (all-gather), copy-out; copy-in, (RS), copy-out."""
     shapes = [(d, *s.shape[1:]) for s, d in zip(shards, [g.shape[0] for g in grads])]

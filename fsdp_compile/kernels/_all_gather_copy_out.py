@@ -12,7 +12,10 @@ elements [w * n_i, (w + 1) * n_i): so the parameter is the concatenation of the 
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -54,16 +57,13 @@ if triton is not None:
         tl.store(dst + w * n + j, C.cast_to(x, DST), mask=mask)
 
 
-def _triton(
-    gathered: torch.Tensor, n: Sequence[int], offs: Sequence[int], outs: Sequence[torch.Tensor], world_size: int
-) -> None:
-    numels = [o.numel() for o in outs]
-    layout = C.work_layout("ranks", tuple(numels), tuple(n), world_size, gathered.device.type)
-    seg, work = C.build_tables(outs, numels, n, offs, layout, gathered.device)
+def _triton(gathered: torch.Tensor, plan: "_Plan", outs: Sequence[torch.Tensor], world_size: int) -> None:
+    layout = C.work_layout("ranks", plan.numels, plan.n, world_size, gathered.device.type)
+    seg, work = C.build_tables(outs, plan.numels, plan.n, plan.offs, layout, gathered.device)
     C.launch(
-        "all_gather_copy_out", _all_gather_copy_out_kernel, layout.programs, gathered, seg, work, sum(n),
+        "all_gather_copy_out", _all_gather_copy_out_kernel, layout.programs, gathered, seg, work, plan.total,
         DST=C.tl_dtype(outs[0].dtype), BLOCK=layout.block,
-        VEC=C.vector_width(outs, [*numels, *n, *offs], (gathered.dtype, outs[0].dtype)),
+        VEC=C.aligned_width(outs, plan.gcd, (gathered.dtype, outs[0].dtype)),
     )
 
 
@@ -90,25 +90,47 @@ def check(gathered, full_shapes, world_size: int) -> tuple[torch.Tensor, list[tu
     return flat, shapes, n
 
 
-def run(gathered, full_shapes, world_size: int, dtype=None, impl: str = "auto") -> list[torch.Tensor]:
-    """Checked entry used by the op."""
-    flat, shapes, n = check(gathered, full_shapes, world_size)
+class _Plan(NamedTuple):
+    """What a call's shapes decide, made once per (shapes, world size): ``run`` is called at every step."""
+
+    shapes: list[tuple]
+    n: tuple[int, ...]  # n_i
+    offs: list[int]  # off_i
+    numels: tuple[int, ...]  # M_i
+    total: int  # N = sum(n_i)
+    gcd: int  # of every M_i, n_i, off_i and N: C.aligned_width
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan(flat_shapes: tuple, ndims: tuple, world_size: int) -> _Plan:
+    shapes = C.check_full_shapes(C.unflatten_shapes(flat_shapes, ndims))
+    C.check_world(world_size)
+    n = L.padded_numels(shapes, world_size)
+    offs, numels = L.offsets(n), [math.prod(s) for s in shapes]
+    return _Plan(shapes, tuple(n), offs, tuple(numels), sum(n), C.size_gcd([*numels, *n, *offs, sum(n)]))
+
+
+def run(gathered, flat_shapes, ndims, world_size: int, dtype=None, impl: str = "auto") -> list[torch.Tensor]:
+    """Checked entry used by the op (the shapes flattened, as in its schema)."""
+    plan = _plan(tuple(flat_shapes), tuple(ndims), world_size)
+    flat = C.check_flat_input(gathered, "gathered", world_size * plan.total, f"world_size * sum(n_i) = {world_size} * {plan.total}")
     C.check_dtype(dtype)
     dtype = dtype or gathered.dtype
     impl = C.resolve_impl(impl, gathered.device, (gathered.dtype, dtype))
     flat = flat if flat.is_contiguous() else flat.contiguous()
     if impl == "triton":
-        outs = [torch.empty(s, dtype=dtype, device=gathered.device) for s in shapes]
+        outs = [torch.empty(s, dtype=dtype, device=gathered.device) for s in plan.shapes]
         if outs:
-            _triton(flat, n, L.offsets(n), outs, world_size)
+            _triton(flat, plan, outs, world_size)
         return outs
     # torch: param i is allocated padded, [W * c_i, *S_i[1:]], as FSDP2 allocates its all-gather outputs:
     # the padding rows give one foreach copy a [W, n_i] destination per param. Then resize_ trims it to
     # S_i in place: the first d_i rows, contiguous, a plain tensor (not a view, so autograd and in-place
     # ops treat it as any fresh tensor), whose storage keeps the few padding rows and is shared with nothing.
+    shapes = plan.shapes
     padded = [torch.empty(world_size * L.padded_rows(s[0], world_size), *s[1:], dtype=dtype, device=gathered.device) for s in shapes]
-    if padded and sum(n) > 0:
-        _torch(flat, n, L.offsets(n), padded, world_size)
+    if padded and plan.total > 0:
+        _torch(flat, plan.n, plan.offs, padded, world_size)
     for p, s in zip(padded, shapes):
         p.resize_(s)
     return padded

@@ -403,13 +403,23 @@ def vector_width(tensors: Sequence[torch.Tensor], sizes: Sequence[int], dtypes: 
     starts on 16 bytes; else 1. The kernels pass it to ``tl.multiple_of``: the claim must hold, or a masked
     vector access would read or write past a tensor's end. Measured on Triton's PTX for sm_90: without
     these hints every access is one element wide (``ld.global.b16`` for bf16), with them 16 bytes."""
-    vec = 16 // min(d.itemsize for d in dtypes)
-    if any(t.data_ptr() % 16 for t in tensors):
-        return 1
+    return aligned_width(tensors, size_gcd(sizes), dtypes)
+
+
+def size_gcd(sizes: Sequence[int]) -> int:
+    """The gcd of ``sizes`` (0 for none or all zero): what ``vector_width`` needs of them, made once per shape."""
     g = 0
     for v in sizes:
         g = math.gcd(g, int(v))
-    return vec if g % vec == 0 else 1
+    return g
+
+
+def aligned_width(tensors: Sequence[torch.Tensor], gcd: int, dtypes: Sequence[torch.dtype]) -> int:
+    """``vector_width`` from the gcd of the sizes (``size_gcd``)."""
+    vec = 16 // min(d.itemsize for d in dtypes)
+    if gcd % vec or any(t.data_ptr() % 16 for t in tensors):
+        return 1
+    return vec
 
 
 def launch(name: str, kernel, num_programs: int, *args, **kwargs) -> None:

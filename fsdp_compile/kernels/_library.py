@@ -55,7 +55,46 @@ def _define(name: str, schema: str, impl, fake, setup_context, backward) -> None
     # decomposed by tracers; the fake below serves Meta and FakeTensor.
     _lib.impl(name, impl, "CompositeExplicitAutograd")
     torch.library.register_fake(f"fsdp_compile::{name}", fake, lib=_lib)
-    torch.library.register_autograd(f"fsdp_compile::{name}", backward, setup_context=setup_context, lib=_lib)
+    op = getattr(torch.ops.fsdp_compile, name).default
+    _lib.impl(name, _autograd_kernel(op, impl, backward, setup_context), "Autograd", with_keyset=True)
+
+
+_BELOW_AUTOGRAD = torch._C._after_autograd_keyset
+_DENSE = (torch._C.DispatchKey.CPU, torch._C.DispatchKey.CUDA)
+
+
+def _autograd_kernel(op, impl, backward, setup_context):
+    """``torch.library.register_autograd``'s kernel, with a short way through for the calls that need no
+    graph: a compiled step's (its forward and backward graphs run under no_grad) call the ops with plain
+    CPU or CUDA tensors and no mode or subclass in the way, and there the dispatcher would only redispatch
+    to ``impl`` below autograd, another trip from Python to C++ and back, boxing every argument. Those calls
+    run ``impl`` here, as that redispatch would (below autograd); every other call (one that records a graph,
+    or meets a fake or functional tensor, a mode, vmap) takes register_autograd's own path. On the
+    development machine the trip cost 6-16 us of a call's 50-90 (one 0.95B-Llama block's ops at W=8, launch
+    stubbed); on an H100's host a call takes 120-260 us (bench/op_overhead.py)."""
+    slow = torch._library.autograd.make_autograd_impl(op, torch._library.autograd.Info(backward, setup_context))
+
+    def kernel(keyset, *args):
+        if not (torch._C.is_grad_enabled() and torch._C._any_requires_grad(*args)) and _dense_below_autograd(keyset):
+            with torch._C._AutoDispatchBelowAutograd():
+                return impl(*args)
+        return slow(keyset, *args)
+
+    return kernel
+
+
+_DENSE_BELOW_AUTOGRAD: dict[int, bool] = {}  # keyset.raw_repr() -> answer (DispatchKeySet is not hashable)
+
+
+def _dense_below_autograd(keyset) -> bool:
+    """Whether the dispatcher's next kernel below autograd for ``keyset`` is the CPU or CUDA one (ours),
+    ADInplaceOrView (a fallthrough for these ops) aside."""
+    raw = keyset.raw_repr()
+    hit = _DENSE_BELOW_AUTOGRAD.get(raw)
+    if hit is None:
+        below = (keyset & _BELOW_AUTOGRAD).remove(torch._C.DispatchKey.ADInplaceOrView)
+        hit = _DENSE_BELOW_AUTOGRAD[raw] = below.highestPriorityTypeId() in _DENSE
+    return hit
 
 
 def _with_nones(ctx, grad):
@@ -98,8 +137,6 @@ _define(
 # fsdp_compile::all_gather_copy_out
 
 
-def _ago_impl(gathered, flat_shapes, ndims, world_size, dtype=None, impl="auto"):
-    return _ago.run(gathered, C.unflatten_shapes(flat_shapes, ndims), world_size, dtype, impl)
 
 
 def _ago_fake(gathered, flat_shapes, ndims, world_size, dtype=None, impl="auto"):
@@ -123,7 +160,7 @@ def _ago_backward(ctx, grads):
 _define(
     "all_gather_copy_out",
     '(Tensor gathered, SymInt[] flat_shapes, int[] ndims, int world_size, ScalarType? dtype=None, str impl="auto") -> Tensor[]',
-    _ago_impl, _ago_fake, _ago_setup, _ago_backward,
+    _ago.run, _ago_fake, _ago_setup, _ago_backward,
 )
 
 
@@ -161,8 +198,6 @@ _define(
 # fsdp_compile::reduce_scatter_copy_out
 
 
-def _rso_impl(reduced, flat_shapes, ndims, world_size, rank, dtype=None, impl="auto"):
-    return _rso.run(reduced, C.unflatten_shapes(flat_shapes, ndims), world_size, rank, dtype, impl)
 
 
 def _rso_fake(reduced, flat_shapes, ndims, world_size, rank, dtype=None, impl="auto"):
@@ -186,7 +221,7 @@ def _rso_backward(ctx, grads):
 _define(
     "reduce_scatter_copy_out",
     '(Tensor reduced, SymInt[] flat_shapes, int[] ndims, int world_size, int rank, ScalarType? dtype=None, str impl="auto") -> Tensor[]',
-    _rso_impl, _rso_fake, _rso_setup, _rso_backward,
+    _rso.run, _rso_fake, _rso_setup, _rso_backward,
 )
 
 

@@ -11,7 +11,10 @@ them strided, the Triton path makes a contiguous copy first.
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -52,17 +55,16 @@ if triton is not None:
         tl.store(out_ptr + base + j, C.cast_to(x, out_ptr.dtype.element_ty), mask=j < n)
 
 
-def _triton(grads: Sequence[torch.Tensor], n: Sequence[int], offs: Sequence[int], out: torch.Tensor, world_size: int) -> None:
+def _triton(grads: Sequence[torch.Tensor], plan: "_Plan", out: torch.Tensor, world_size: int) -> None:
     # The kernel reads grad i as flat [M_i]: keep the contiguous copies alive until the launch is queued.
     grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
     # every rank's chunk is written whole: padding is zeroed
-    layout = C.work_layout("chunks", (), tuple(n), world_size, out.device.type)
-    numels = [g.numel() for g in grads]
-    seg, work = C.build_tables(grads, numels, n, offs, layout, out.device)
+    layout = C.work_layout("chunks", (), plan.n, world_size, out.device.type)
+    seg, work = C.build_tables(grads, plan.numels, plan.n, plan.offs, layout, out.device)
     C.launch(
-        "reduce_scatter_copy_in", _reduce_scatter_copy_in_kernel, layout.programs, out, seg, work, sum(n),
+        "reduce_scatter_copy_in", _reduce_scatter_copy_in_kernel, layout.programs, out, seg, work, plan.total,
         SRC=C.tl_dtype(grads[0].dtype), BLOCK=layout.block,
-        VEC=C.vector_width(grads, [*numels, *n, *offs], (grads[0].dtype, out.dtype)),
+        VEC=C.aligned_width(grads, plan.gcd, (grads[0].dtype, out.dtype)),
     )
 
 
@@ -106,17 +108,39 @@ def check(grads, world_size: int) -> list[int]:
     return L.padded_numels([g.shape for g in grads], world_size)
 
 
+class _Plan(NamedTuple):
+    """What a call's shapes decide, made once per (gradient shapes, world size): ``run`` is called at every step."""
+
+    numels: tuple[int, ...]  # M_i
+    n: tuple[int, ...]  # n_i
+    offs: list[int]  # off_i
+    total: int  # N = sum(n_i)
+    gcd: int  # of every M_i, n_i and off_i: C.aligned_width
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan(shapes: tuple, world_size: int) -> _Plan:
+    C.check_world(world_size)
+    n = L.padded_numels(shapes, world_size)
+    numels, offs = [math.prod(s) for s in shapes], L.offsets(n)
+    return _Plan(tuple(numels), tuple(n), offs, sum(n), C.size_gcd([*numels, *n, *offs]))
+
+
 def run(grads, world_size: int, dtype=None, impl: str = "auto", out=None) -> torch.Tensor:
     """Checked entry shared by the op and the ``out=`` form; returns ``out`` (allocated when None)."""
-    n = check(grads, world_size)
+    C.check_tensor_list(grads, "grads")
+    plan = _plan(tuple(g.shape for g in grads), world_size)
     C.check_dtype(dtype)
     dtype = dtype or grads[0].dtype
     device = grads[0].device
     impl = C.resolve_impl(impl, device, (grads[0].dtype, dtype))
-    total = world_size * sum(n)
+    total = world_size * plan.total
     if out is None:
         out = torch.empty(total, dtype=dtype, device=device)
     else:
         C.check_out(out, total, dtype, device)
-    (_triton if impl == "triton" else _torch)(grads, n, L.offsets(n), out, world_size)
+    if impl == "triton":
+        _triton(grads, plan, out, world_size)
+    else:
+        _torch(grads, plan.n, plan.offs, out, world_size)
     return out

@@ -9,7 +9,10 @@ A non-contiguous ``reduced`` is made contiguous.
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -44,14 +47,13 @@ if triton is not None:
         tl.store(dst + e, C.cast_to(x, DST), mask=mask)
 
 
-def _triton(reduced: torch.Tensor, n: Sequence[int], offs: Sequence[int], outs: Sequence[torch.Tensor]) -> None:
-    numels = [o.numel() for o in outs]
-    layout = C.work_layout("valid", tuple(numels), (), 1, reduced.device.type)
-    seg, work = C.build_tables(outs, numels, n, offs, layout, reduced.device)
+def _triton(reduced: torch.Tensor, plan: "_Plan", outs: Sequence[torch.Tensor]) -> None:
+    layout = C.work_layout("valid", plan.numels, (), 1, reduced.device.type)
+    seg, work = C.build_tables(outs, plan.numels, plan.n, plan.offs, layout, reduced.device)
     C.launch(
         "reduce_scatter_copy_out", _reduce_scatter_copy_out_kernel, layout.programs, reduced, seg, work,
         DST=C.tl_dtype(outs[0].dtype), BLOCK=layout.block,
-        VEC=C.vector_width(outs, [*numels, *offs], (reduced.dtype, outs[0].dtype)),
+        VEC=C.aligned_width(outs, plan.gcd, (reduced.dtype, outs[0].dtype)),
     )
 
 
@@ -72,14 +74,39 @@ def check(reduced, full_shapes, world_size: int, rank: int) -> tuple[torch.Tenso
     return flat, local, n
 
 
-def run(reduced, full_shapes, world_size: int, rank: int, dtype=None, impl: str = "auto") -> list[torch.Tensor]:
-    """Checked entry used by the op."""
-    flat, local, n = check(reduced, full_shapes, world_size, rank)
+class _Plan(NamedTuple):
+    """What a call's shapes decide, made once per (shapes, world size, rank): ``run`` is called at every step."""
+
+    local: list[tuple]  # this rank's shard shapes
+    numels: tuple[int, ...]  # their elements
+    n: tuple[int, ...]  # n_i
+    offs: list[int]  # off_i
+    total: int  # sum(n_i)
+    gcd: int  # of every shard's numel and off_i: C.aligned_width
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan(flat_shapes: tuple, ndims: tuple, world_size: int, rank: int) -> _Plan:
+    shapes = C.check_full_shapes(C.unflatten_shapes(flat_shapes, ndims))
+    C.check_world(world_size, rank)
+    n = L.padded_numels(shapes, world_size)
+    local = [(L.rank_rows(s[0], world_size, rank), *s[1:]) for s in shapes]
+    numels, offs = [math.prod(s) for s in local], L.offsets(n)
+    return _Plan(local, tuple(numels), tuple(n), offs, sum(n), C.size_gcd([*numels, *offs]))
+
+
+def run(reduced, flat_shapes, ndims, world_size: int, rank: int, dtype=None, impl: str = "auto") -> list[torch.Tensor]:
+    """Checked entry used by the op (the shapes flattened, as in its schema)."""
+    plan = _plan(tuple(flat_shapes), tuple(ndims), world_size, rank)
+    flat = C.check_flat_input(reduced, "reduced", plan.total, "sum(n_i) for these full_shapes and world_size")
     C.check_dtype(dtype)
     dtype = dtype or reduced.dtype
     impl = C.resolve_impl(impl, reduced.device, (reduced.dtype, dtype))
-    outs = [torch.empty(*s, dtype=dtype, device=reduced.device) for s in local]
+    outs = [torch.empty(*s, dtype=dtype, device=reduced.device) for s in plan.local]
     if outs:
         flat = flat if flat.is_contiguous() else flat.contiguous()
-        (_triton if impl == "triton" else _torch)(flat, n, L.offsets(n), outs)
+        if impl == "triton":
+            _triton(flat, plan, outs)
+        else:
+            _torch(flat, plan.n, plan.offs, outs)
     return outs
