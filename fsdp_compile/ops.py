@@ -261,10 +261,9 @@ def reduce_scatter_grads_impl(grads: list[Tensor], args: ReduceScatterArgs) -> l
             packed, op = packed * r.pre_factor, "sum"
         elif r.pre_factor is not None:
             packed = packed / r.pre_factor
-        if c.world_size > 1:
-            reduced = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(packed, op, c.world_size, c.group_name))
-        else:
-            reduced = packed.clone()
+        # one rank: nothing to reduce, and the packed buffer is already this rank's (a clone here was a copy of
+        # every gradient per step under aot_eager; Inductor drops such a clone as a no-op)
+        reduced = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(packed, op, c.world_size, c.group_name)) if c.world_size > 1 else packed
         if r.all_reduce_group is not None:  # HSDP: then across the replicas, as FSDP2's foreach_reduce
             reduced = _c10d.wait_tensor(_c10d.all_reduce(reduced, r.all_reduce_op, r.all_reduce_group))
         if r.post_factor is not None:
