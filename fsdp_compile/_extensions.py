@@ -139,6 +139,48 @@ class Attach(torch.autograd.Function):
         return None, grad
 
 
+class LocalShards(torch.autograd.Function):
+    """``[p.to_local() for p in params]`` as one autograd node: each DTensor parameter's local shard (a view,
+    as ``to_local`` returns), and in the backward each shard gradient as a DTensor of the parameter's
+    placements, built as ``to_local``'s backward builds it (``_ToTorchTensor``: the parameter's spec, or a
+    new one where the gradient's global stride differs) but without ``DTensor.from_local``'s autograd node
+    per parameter. A compiled step's backward returns every shard gradient at its end anyway, so one node
+    for all of them delays none. On an H100's host (0.95B Llama, 147 parameters) ``to_local``, its backward
+    and the ``from_local`` inside it took 3.8 + 4.8 + 5.6 ms of a profiled step; on the development machine
+    147 parameters' forward and backward take 4.1 ms this way against 9.1 (forward alone 0.30 against 1.03)."""
+
+    @staticmethod
+    def forward(ctx, *params):
+        ctx.specs = [p._spec for p in params]
+        ctx.set_materialize_grads(False)
+        locals_ = [p._local_tensor.view_as(p._local_tensor) for p in params]
+        frozen = [t for t, p in zip(locals_, params) if not p.requires_grad]
+        if frozen:  # as to_local of a parameter that needs no gradient: no gradient either
+            ctx.mark_non_differentiable(*frozen)
+        return tuple(locals_)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor._api import _normalize_placements_for_grad
+        from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+        from torch.distributed.tensor._utils import compute_global_tensor_info
+
+        out = []
+        for grad, spec in zip(grads, ctx.specs):
+            if grad is None:
+                out.append(None)
+                continue
+            # _ToTorchTensor.backward, then _FromTorchTensor.forward with its shape and stride given: the
+            # parameter's placements (Partial as Replicate), its global shape, the gradient's global stride
+            # (the parameter's where the layouts agree) and the gradient's dtype
+            _, stride = compute_global_tensor_info(grad, spec.mesh, spec.placements)
+            meta = TensorMeta(spec.shape, tuple(stride), grad.dtype)
+            grad_spec = DTensorSpec(spec.mesh, _normalize_placements_for_grad(spec.placements), tensor_meta=meta)
+            out.append(DTensor(grad.view_as(grad), grad_spec, requires_grad=False))
+        return tuple(out)
+
+
 class Layout(NamedTuple):
     """What of one extension parameter's call the graph is specialized on (part of the step's key)."""
 
@@ -155,15 +197,20 @@ def prepare(units_params: list[list], units_plans: list[list], world_size_of) ->
     extension parameter: its local shard, detached, then its all-gather inputs, then its metadata's tensors),
     and the key of the step they need."""
     shards, tensors, key = [], [], []
-    for params, plans in zip(units_params, units_plans):
+    every = [p for params in units_params for p in params]
+    flat = LocalShards.apply(*every) if every else ()
+    units_locals, start = [], 0
+    for params in units_params:
+        units_locals.append(flat[start : start + len(params)])
+        start += len(params)
+    for plans, locals_ in zip(units_plans, units_locals):
         if not any(pp.extension is not None for pp in plans):
-            shards.append([p.to_local() for p in params])
+            shards.append(list(locals_))
             tensors.append([])
             key.append(None)
             continue
         unit_shards, unit_tensors, layouts = [], [], []
-        for p, pp in zip(params, plans):
-            local = p.to_local()
+        for pp, local in zip(plans, locals_):
             if pp.extension is None:
                 unit_shards.append(local)
                 layouts.append(None)

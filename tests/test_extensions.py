@@ -122,3 +122,38 @@ def test_torchao_float8_blocks_compile_inline(float8_all_gather):
         why = capture.inline_reason(plan, ["layers.0", "layers.1"], model)
     expected = "as a Float8TrainingTensor" if float8_all_gather else "torchao float8 modules (Float8Linear)"
     assert expected in why, why
+
+
+def test_local_shards_are_to_local_in_one_autograd_node():
+    """_extensions.LocalShards, the compiled step's way from DTensor parameters to their local shards: the
+    same views and, in the backward, the same DTensor gradients (values, placements, global shape and
+    stride, dtype) as ``to_local`` per parameter, on a 1-D and a 2-D mesh (a Replicate dim among them),
+    for a contiguous and a transposed gradient; a frozen parameter's shard needs no gradient, as its
+    ``to_local`` does; one autograd node for all of them."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard, init_device_mesh
+
+    from fsdp_compile._extensions import LocalShards
+
+    with fake_process_group(4):
+        meshes = [init_device_mesh("cpu", (4,)), init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))]
+        placements = [[Shard(0)], [Shard(0), Replicate()]]
+        for mesh, pl in zip(meshes, placements):
+            torch.manual_seed(0)
+            params = [torch.nn.Parameter(DTensor.from_local(torch.randn(*shape), mesh, pl, run_check=False))
+                      for shape in [(3, 4), (5,), (4, 4)]]
+            params.append(torch.nn.Parameter(DTensor.from_local(torch.randn(2, 2), mesh, pl, run_check=False), requires_grad=False))
+            grads = [torch.randn(3, 4), torch.randn(5), torch.randn(4, 4).t()]
+            results = []
+            for batched in (False, True):
+                locals_ = LocalShards.apply(*params) if batched else [p.to_local() for p in params]
+                assert [t.requires_grad for t in locals_] == [True, True, True, False]
+                assert all(torch.equal(t, p._local_tensor) and t.data_ptr() == p._local_tensor.data_ptr() for t, p in zip(locals_, params))
+                if batched:
+                    assert len({t.grad_fn for t in locals_[:3]}) == 1
+                # the gradients as they leave the node (AccumulateGrad would lay them out like the parameters)
+                results.append(torch.autograd.grad(locals_[:3], params[:3], grads[:3]))
+            assert results[0][2]._spec.tensor_meta.stride != params[2]._spec.tensor_meta.stride  # the transposed one
+            for per_param, batched in zip(*results):
+                assert isinstance(batched, DTensor) and batched._spec == per_param._spec
+                assert batched.stride() == per_param.stride() and batched.dtype == per_param.dtype
+                assert torch.equal(batched._local_tensor, per_param._local_tensor)
