@@ -137,8 +137,6 @@ _define(
 # fsdp_compile::all_gather_copy_out
 
 
-
-
 def _ago_fake(gathered, flat_shapes, ndims, world_size, dtype=None, impl="auto"):
     _, shapes, _ = _ago.check(gathered, C.unflatten_shapes(flat_shapes, ndims), world_size)
     C.check_impl(impl)
@@ -196,8 +194,6 @@ _define(
 
 # ---------------------------------------------------------------------------------------------------------
 # fsdp_compile::reduce_scatter_copy_out
-
-
 
 
 def _rso_fake(reduced, flat_shapes, ndims, world_size, rank, dtype=None, impl="auto"):
