@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import torch
 
@@ -50,11 +49,11 @@ if triton is not None:
         tl.store(out_ptr + off + e, C.cast_to(x, out_ptr.dtype.element_ty), mask=e < n)
 
 
-def _triton(shards: Sequence[torch.Tensor], plan: "_Plan", out: torch.Tensor) -> None:
+def _triton(shards: Sequence[torch.Tensor], plan: C.CallSizes, out: torch.Tensor) -> None:
     # The kernel reads shard i as flat [m_i]: keep the contiguous copies alive until the launch is queued.
     shards = [s if s.is_contiguous() else s.contiguous() for s in shards]
     layout = C.work_layout("padded", (), plan.n, 1, out.device.type)
-    seg, work = C.build_tables(shards, plan.m, plan.n, plan.offs, layout, out.device)
+    seg, work = C.build_tables(shards, plan.numels, plan.n, plan.offs, layout, out.device)
     C.launch(
         "all_gather_copy_in", _all_gather_copy_in_kernel, layout.programs, out, seg, work,
         SRC=C.tl_dtype(shards[0].dtype), BLOCK=layout.block,
@@ -100,22 +99,12 @@ def check(shards, dim0s: Sequence, world_size: int, rank: int) -> list:
     return n
 
 
-class _Plan(NamedTuple):
-    """What a call's shapes decide, made once per (shard shapes, dim0s, world size, rank): ``run`` is called
-    at every step."""
-
-    m: tuple[int, ...]  # m_i: each shard's elements
-    n: tuple[int, ...]  # n_i
-    offs: list[int]  # off_i
-    total: int  # sum(n_i)
-    gcd: int  # of every m_i, n_i and off_i: C.aligned_width
-
-
 @functools.lru_cache(maxsize=1024)
-def _plan(shapes: tuple, dim0s: tuple, world_size: int, rank: int) -> _Plan:
+def _plan(shapes: tuple, dim0s: tuple, world_size: int, rank: int) -> C.CallSizes:
+    """Once per (shard shapes, dim0s, world size, rank)."""
     n = check([torch.empty(s, device="meta") for s in shapes], dim0s, world_size, rank)
     m, offs = [math.prod(s) for s in shapes], L.offsets(n)
-    return _Plan(tuple(m), tuple(n), offs, sum(n), C.size_gcd([*m, *n, *offs]))
+    return C.CallSizes(list(shapes), tuple(m), tuple(n), offs, sum(n), C.size_gcd([*m, *n, *offs]))
 
 
 def run(shards, dim0s, world_size: int, rank: int, dtype=None, impl: str = "auto", out=None) -> torch.Tensor:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import torch
 
@@ -57,7 +56,7 @@ if triton is not None:
         tl.store(dst + w * n + j, C.cast_to(x, DST), mask=mask)
 
 
-def _triton(gathered: torch.Tensor, plan: "_Plan", outs: Sequence[torch.Tensor], world_size: int) -> None:
+def _triton(gathered: torch.Tensor, plan: C.CallSizes, outs: Sequence[torch.Tensor], world_size: int) -> None:
     layout = C.work_layout("ranks", plan.numels, plan.n, world_size, gathered.device.type)
     seg, work = C.build_tables(outs, plan.numels, plan.n, plan.offs, layout, gathered.device)
     C.launch(
@@ -90,24 +89,14 @@ def check(gathered, full_shapes, world_size: int) -> tuple[torch.Tensor, list[tu
     return flat, shapes, n
 
 
-class _Plan(NamedTuple):
-    """What a call's shapes decide, made once per (shapes, world size): ``run`` is called at every step."""
-
-    shapes: list[tuple]
-    n: tuple[int, ...]  # n_i
-    offs: list[int]  # off_i
-    numels: tuple[int, ...]  # M_i
-    total: int  # N = sum(n_i)
-    gcd: int  # of every M_i, n_i, off_i and N: C.aligned_width
-
-
 @functools.lru_cache(maxsize=1024)
-def _plan(flat_shapes: tuple, ndims: tuple, world_size: int) -> _Plan:
+def _plan(flat_shapes: tuple, ndims: tuple, world_size: int) -> C.CallSizes:
+    """Once per (shapes, world size)."""
     shapes = C.check_full_shapes(C.unflatten_shapes(flat_shapes, ndims))
     C.check_world(world_size)
     n = L.padded_numels(shapes, world_size)
     offs, numels = L.offsets(n), [math.prod(s) for s in shapes]
-    return _Plan(shapes, tuple(n), offs, tuple(numels), sum(n), C.size_gcd([*numels, *n, *offs, sum(n)]))
+    return C.CallSizes(shapes, tuple(numels), tuple(n), offs, sum(n), C.size_gcd([*numels, *n, *offs, sum(n)]))
 
 
 def run(gathered, flat_shapes, ndims, world_size: int, dtype=None, impl: str = "auto") -> list[torch.Tensor]:

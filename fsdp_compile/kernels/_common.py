@@ -406,6 +406,17 @@ def vector_width(tensors: Sequence[torch.Tensor], sizes: Sequence[int], dtypes: 
     return aligned_width(tensors, size_gcd(sizes), dtypes)
 
 
+class CallSizes(NamedTuple):
+    """What a call's shapes decide, made once per shape by each kernel's ``_plan``: ``run`` is called at every step."""
+
+    shapes: list[tuple]  # the per-parameter side's shapes: the shards or gradients read, the tensors allocated
+    numels: tuple[int, ...]  # their elements (m_i or M_i)
+    n: tuple[int, ...]  # n_i
+    offs: list[int]  # off_i
+    total: int  # sum(n_i)
+    gcd: int  # of the sizes and offsets the kernel reads from its tables (aligned_width)
+
+
 def size_gcd(sizes: Sequence[int]) -> int:
     """The gcd of ``sizes`` (0 for none or all zero): what ``vector_width`` needs of them, made once per shape."""
     g = 0

@@ -14,7 +14,6 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import torch
 
@@ -55,7 +54,7 @@ if triton is not None:
         tl.store(out_ptr + base + j, C.cast_to(x, out_ptr.dtype.element_ty), mask=j < n)
 
 
-def _triton(grads: Sequence[torch.Tensor], plan: "_Plan", out: torch.Tensor, world_size: int) -> None:
+def _triton(grads: Sequence[torch.Tensor], plan: C.CallSizes, out: torch.Tensor, world_size: int) -> None:
     # The kernel reads grad i as flat [M_i]: keep the contiguous copies alive until the launch is queued.
     grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
     # every rank's chunk is written whole: padding is zeroed
@@ -108,22 +107,13 @@ def check(grads, world_size: int) -> list[int]:
     return L.padded_numels([g.shape for g in grads], world_size)
 
 
-class _Plan(NamedTuple):
-    """What a call's shapes decide, made once per (gradient shapes, world size): ``run`` is called at every step."""
-
-    numels: tuple[int, ...]  # M_i
-    n: tuple[int, ...]  # n_i
-    offs: list[int]  # off_i
-    total: int  # N = sum(n_i)
-    gcd: int  # of every M_i, n_i and off_i: C.aligned_width
-
-
 @functools.lru_cache(maxsize=1024)
-def _plan(shapes: tuple, world_size: int) -> _Plan:
+def _plan(shapes: tuple, world_size: int) -> C.CallSizes:
+    """Once per (gradient shapes, world size)."""
     C.check_world(world_size)
     n = L.padded_numels(shapes, world_size)
     numels, offs = [math.prod(s) for s in shapes], L.offsets(n)
-    return _Plan(tuple(numels), tuple(n), offs, sum(n), C.size_gcd([*numels, *n, *offs]))
+    return C.CallSizes(list(shapes), tuple(numels), tuple(n), offs, sum(n), C.size_gcd([*numels, *n, *offs]))
 
 
 def run(grads, world_size: int, dtype=None, impl: str = "auto", out=None) -> torch.Tensor:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import torch
 
@@ -47,7 +46,7 @@ if triton is not None:
         tl.store(dst + e, C.cast_to(x, DST), mask=mask)
 
 
-def _triton(reduced: torch.Tensor, plan: "_Plan", outs: Sequence[torch.Tensor]) -> None:
+def _triton(reduced: torch.Tensor, plan: C.CallSizes, outs: Sequence[torch.Tensor]) -> None:
     layout = C.work_layout("valid", plan.numels, (), 1, reduced.device.type)
     seg, work = C.build_tables(outs, plan.numels, plan.n, plan.offs, layout, reduced.device)
     C.launch(
@@ -74,25 +73,15 @@ def check(reduced, full_shapes, world_size: int, rank: int) -> tuple[torch.Tenso
     return flat, local, n
 
 
-class _Plan(NamedTuple):
-    """What a call's shapes decide, made once per (shapes, world size, rank): ``run`` is called at every step."""
-
-    local: list[tuple]  # this rank's shard shapes
-    numels: tuple[int, ...]  # their elements
-    n: tuple[int, ...]  # n_i
-    offs: list[int]  # off_i
-    total: int  # sum(n_i)
-    gcd: int  # of every shard's numel and off_i: C.aligned_width
-
-
 @functools.lru_cache(maxsize=1024)
-def _plan(flat_shapes: tuple, ndims: tuple, world_size: int, rank: int) -> _Plan:
+def _plan(flat_shapes: tuple, ndims: tuple, world_size: int, rank: int) -> C.CallSizes:
+    """Once per (shapes, world size, rank); its shapes are this rank's shard shapes."""
     shapes = C.check_full_shapes(C.unflatten_shapes(flat_shapes, ndims))
     C.check_world(world_size, rank)
     n = L.padded_numels(shapes, world_size)
     local = [(L.rank_rows(s[0], world_size, rank), *s[1:]) for s in shapes]
     numels, offs = [math.prod(s) for s in local], L.offsets(n)
-    return _Plan(local, tuple(numels), tuple(n), offs, sum(n), C.size_gcd([*numels, *offs]))
+    return C.CallSizes(local, tuple(numels), tuple(n), offs, sum(n), C.size_gcd([*numels, *offs]))
 
 
 def run(reduced, flat_shapes, ndims, world_size: int, rank: int, dtype=None, impl: str = "auto") -> list[torch.Tensor]:
@@ -102,7 +91,7 @@ def run(reduced, flat_shapes, ndims, world_size: int, rank: int, dtype=None, imp
     C.check_dtype(dtype)
     dtype = dtype or reduced.dtype
     impl = C.resolve_impl(impl, reduced.device, (reduced.dtype, dtype))
-    outs = [torch.empty(*s, dtype=dtype, device=reduced.device) for s in plan.local]
+    outs = [torch.empty(*s, dtype=dtype, device=reduced.device) for s in plan.shapes]
     if outs:
         flat = flat if flat.is_contiguous() else flat.contiguous()
         if impl == "triton":
