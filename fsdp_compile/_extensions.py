@@ -162,23 +162,42 @@ class LocalShards(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         from torch.distributed.tensor import DTensor
-        from torch.distributed.tensor._api import _normalize_placements_for_grad
-        from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-        from torch.distributed.tensor._utils import compute_global_tensor_info
 
         out = []
         for grad, spec in zip(grads, ctx.specs):
             if grad is None:
                 out.append(None)
                 continue
-            # _ToTorchTensor.backward, then _FromTorchTensor.forward with its shape and stride given: the
-            # parameter's placements (Partial as Replicate), its global shape, the gradient's global stride
-            # (the parameter's where the layouts agree) and the gradient's dtype
-            _, stride = compute_global_tensor_info(grad, spec.mesh, spec.placements)
-            meta = TensorMeta(spec.shape, tuple(stride), grad.dtype)
-            grad_spec = DTensorSpec(spec.mesh, _normalize_placements_for_grad(spec.placements), tensor_meta=meta)
+            key = (spec, grad.shape, grad.stride(), grad.dtype)
+            grad_spec = _GRAD_SPECS.get(key)
+            if grad_spec is None:
+                grad_spec = _grad_spec(spec, grad)
+                if len(_GRAD_SPECS) >= 8192:  # parameters replaced many times over: start afresh
+                    _GRAD_SPECS.clear()
+                _GRAD_SPECS[key] = grad_spec
             out.append(DTensor(grad.view_as(grad), grad_spec, requires_grad=False))
         return tuple(out)
+
+
+# (parameter's spec, gradient's shape, stride, dtype) -> the gradient's DTensorSpec. Building one is Python
+# (DTensorSpec's __post_init__ and its guarded __setattr__), every parameter every step, and gives the same
+# spec every step; torch shares specs between DTensors (FSDP2 builds every step's sharded gradient on its
+# one _sharding_spec), so one is kept per parameter and layout: 147 parameters (a 16-layer Llama) 1.88 ms
+# -> 0.08 ms a step on the development machine.
+_GRAD_SPECS: dict = {}
+
+
+def _grad_spec(spec, grad: Tensor):
+    """``_ToTorchTensor.backward``, then ``_FromTorchTensor.forward`` with its shape and stride given: the
+    parameter's placements (Partial as Replicate), its global shape, the gradient's global stride (the
+    parameter's where the layouts agree) and the gradient's dtype."""
+    from torch.distributed.tensor._api import _normalize_placements_for_grad
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    from torch.distributed.tensor._utils import compute_global_tensor_info
+
+    _, stride = compute_global_tensor_info(grad, spec.mesh, spec.placements)
+    meta = TensorMeta(spec.shape, tuple(stride), grad.dtype)
+    return DTensorSpec(spec.mesh, _normalize_placements_for_grad(spec.placements), tensor_meta=meta)
 
 
 class Layout(NamedTuple):

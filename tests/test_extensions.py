@@ -142,18 +142,23 @@ def test_local_shards_are_to_local_in_one_autograd_node():
             params = [torch.nn.Parameter(DTensor.from_local(torch.randn(*shape), mesh, pl, run_check=False))
                       for shape in [(3, 4), (5,), (4, 4)]]
             params.append(torch.nn.Parameter(DTensor.from_local(torch.randn(2, 2), mesh, pl, run_check=False), requires_grad=False))
-            grads = [torch.randn(3, 4), torch.randn(5), torch.randn(4, 4).t()]
-            results = []
-            for batched in (False, True):
-                locals_ = LocalShards.apply(*params) if batched else [p.to_local() for p in params]
-                assert [t.requires_grad for t in locals_] == [True, True, True, False]
-                assert all(torch.equal(t, p._local_tensor) and t.data_ptr() == p._local_tensor.data_ptr() for t, p in zip(locals_, params))
-                if batched:
-                    assert len({t.grad_fn for t in locals_[:3]}) == 1
-                # the gradients as they leave the node (AccumulateGrad would lay them out like the parameters)
-                results.append(torch.autograd.grad(locals_[:3], params[:3], grads[:3]))
-            assert results[0][2]._spec.tensor_meta.stride != params[2]._spec.tensor_meta.stride  # the transposed one
-            for per_param, batched in zip(*results):
-                assert isinstance(batched, DTensor) and batched._spec == per_param._spec
-                assert batched.stride() == per_param.stride() and batched.dtype == per_param.dtype
-                assert torch.equal(batched._local_tensor, per_param._local_tensor)
+            # a transposed gradient, then the same parameter's contiguous one: the gradient specs are kept per
+            # parameter and layout (_GRAD_SPECS), so the second must not get the first's stride
+            for grads in ([torch.randn(3, 4), torch.randn(5), torch.randn(4, 4).t()],
+                          [torch.randn(3, 4), torch.randn(5), torch.randn(4, 4)]):
+                results = []
+                for batched in (False, True, True):
+                    locals_ = LocalShards.apply(*params) if batched else [p.to_local() for p in params]
+                    assert [t.requires_grad for t in locals_] == [True, True, True, False]
+                    assert all(torch.equal(t, p._local_tensor) and t.data_ptr() == p._local_tensor.data_ptr() for t, p in zip(locals_, params))
+                    if batched:
+                        assert len({t.grad_fn for t in locals_[:3]}) == 1
+                    # the gradients as they leave the node (AccumulateGrad would lay them out like the parameters)
+                    results.append(torch.autograd.grad(locals_[:3], params[:3], grads[:3]))
+                transposed = results[0][2]._spec.tensor_meta.stride != params[2]._spec.tensor_meta.stride
+                assert transposed == (grads[2].stride() != (4, 1))
+                for per_param, batched, again in zip(*results):
+                    assert isinstance(batched, DTensor) and batched._spec == per_param._spec
+                    assert batched.stride() == per_param.stride() and batched.dtype == per_param.dtype
+                    assert torch.equal(batched._local_tensor, per_param._local_tensor)
+                    assert again._spec is batched._spec and torch.equal(again._local_tensor, batched._local_tensor)
