@@ -1,10 +1,13 @@
 """First-step (compile) time against depth, cold and warm: fsdp_compile vs torch.compile.
 
-    python bench/compile_time.py [--depths 2 8 16 32] [--model hf|ours] [--quick]
+    python bench/compile_time.py [--depths 2 8 16 32] [--model hf|ours] [--quick] [--one-process] [--repeat N]
 
 For every depth and variant, two fresh processes of 2 gloo ranks each (1 thread per rank) run one
 forward + backward: "cold" with an empty Inductor cache directory, then "warm" with the one the cold run
-filled (a restart). The figure is the slower rank's first step, compile included. Variants:
+filled (a restart). The figure is the slower rank's first step, compile included. ``--one-process``: one
+rank on torch's fake process group of world size 2 instead (the same graphs, no second rank compiling
+beside it on the same cores). ``--repeat N``: N rounds over every depth and variant, each with its own
+cache directories; the tables give the median of the N. Variants:
   fc              fsdp_compile.compile on the fully_shard model (default config: Inductor, regions, schedule)
   torch-fsdp      torch.compile on the same fully_shard model (graph breaks at every FSDP hook)
   torch-plain     torch.compile on the same model unsharded (no FSDP, no collectives): the compiler's own cost
@@ -60,9 +63,14 @@ def _rank(rank: int, store: str, args, out: str) -> None:
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
-    fc.single_thread_gloo()  # torch's gloo races between its worker threads (fsdp_compile/_gloo.py)
-    dist.init_process_group("gloo", store=dist.FileStore(store, W), rank=rank, world_size=W,
-                            timeout=datetime.timedelta(seconds=900))
+    if args.one_process:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=W)
+    else:
+        fc.single_thread_gloo()  # torch's gloo races between its worker threads (fsdp_compile/_gloo.py)
+        dist.init_process_group("gloo", store=dist.FileStore(store, W), rank=rank, world_size=W,
+                                timeout=datetime.timedelta(seconds=900))
     model, blocks = build(args.model, args.depth)
     extra = {}
     if args.variant in ("fc", "torch-fsdp"):
@@ -102,14 +110,18 @@ def worker(args) -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out.json")
-        mp.spawn(_rank, args=(os.path.join(tmp, "store"), args, out), nprocs=W, join=True)
+        if args.one_process:
+            _rank(0, os.path.join(tmp, "store"), args, out)
+        else:
+            mp.spawn(_rank, args=(os.path.join(tmp, "store"), args, out), nprocs=W, join=True)
         with open(out) as f:
             print("RESULT " + f.read())
 
 
-def measure(variant: str, depth: int, model: str, cache_dir: str) -> dict:
+def measure(variant: str, depth: int, model: str, cache_dir: str, one_process: bool = False) -> dict:
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir, "TORCHINDUCTOR_COMPILE_THREADS": "1"}
     cmd = [sys.executable, __file__, "--worker", "--variant", variant, "--depth", str(depth), "--model", model]
+    cmd += ["--one-process"] if one_process else []
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
     lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     if proc.returncode or not lines:
@@ -123,6 +135,8 @@ def main() -> None:
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     ap.add_argument("--model", choices=["hf", "ours"], default=None)
     ap.add_argument("--quick", action="store_true", help="depths 2 and 8 only")
+    ap.add_argument("--one-process", action="store_true", help="one rank on the fake process group (world size 2)")
+    ap.add_argument("--repeat", type=int, default=1, help="rounds over every depth and variant; tables give medians")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--variant", help=argparse.SUPPRESS)
@@ -139,16 +153,20 @@ def main() -> None:
         return worker(args)
     if args.quick:
         args.depths = [2, 8]
-    rows = []
-    for depth in args.depths:
-        for variant in args.variants:
-            with tempfile.TemporaryDirectory() as cache:
-                cold = measure(variant, depth, args.model, cache)
-                warm = measure(variant, depth, args.model, cache)
-            rows.append({"depth": depth, "variant": variant, "cold": cold, "warm": warm})
-            sys.stderr.write(f"depth {depth:3d} {variant:12s} cold {cold.get('first_step_s', float('nan')):7.1f} s  "
-                             f"warm {warm.get('first_step_s', float('nan')):7.1f} s\n")
-    print(f"\nfirst step (compile) seconds, 2 gloo ranks, {args.model} Llama hidden 64 (cold: empty cache; warm: restart)")
+    runs = []
+    for round_ in range(args.repeat):
+        for depth in args.depths:
+            for variant in args.variants:
+                with tempfile.TemporaryDirectory() as cache:
+                    cold = measure(variant, depth, args.model, cache, args.one_process)
+                    warm = measure(variant, depth, args.model, cache, args.one_process)
+                runs.append({"round": round_, "depth": depth, "variant": variant, "cold": cold, "warm": warm})
+                sys.stderr.write(f"depth {depth:3d} {variant:12s} cold {cold.get('first_step_s', float('nan')):7.1f} s  "
+                                 f"warm {warm.get('first_step_s', float('nan')):7.1f} s\n")
+    rows = _medians(runs, args)
+    where = "one process, fake process group of 2" if args.one_process else "2 gloo ranks"
+    print(f"\nfirst step (compile) seconds, {where}, {args.model} Llama hidden 64 (cold: empty cache; warm: restart)"
+          + (f"; median of {args.repeat} rounds" if args.repeat > 1 else ""))
     print("| depth | " + " | ".join(f"{v} cold | {v} warm" for v in args.variants) + " | fc planning ms |")
     print("|---" * (2 * len(args.variants) + 2) + "|")
     for depth in args.depths:
@@ -160,9 +178,39 @@ def main() -> None:
                 planning = f"{r['cold']['planning_s'] * 1e3:.1f}"
         print(f"| {depth} | " + " | ".join(cells) + f" | {planning} |")
     _phase_table(rows, args)
-    H.write_json(os.path.join(args.out, "compile_time.json"), {"machine": H.machine(), "model": args.model, "rows": rows})
-    _plot(rows, args, os.path.join(args.out, "compile_time.png"))
-    print(f"wrote {args.out}/compile_time.json and .png")
+    name = "compile_time_one_process" if args.one_process else "compile_time"
+    payload = {"machine": H.machine(), "model": args.model, "one_process": args.one_process, "rows": rows}
+    if args.repeat > 1:
+        payload["runs"] = runs
+    H.write_json(os.path.join(args.out, f"{name}.json"), payload)
+    _plot(rows, args, os.path.join(args.out, f"{name}.png"))
+    print(f"wrote {args.out}/{name}.json and .png")
+
+
+def _medians(runs, args) -> list[dict]:
+    """One row per depth and variant: each number the median over its rounds (of those that did not fail)."""
+    import statistics
+
+    def median(records: list[dict]) -> dict:
+        ok = [r for r in records if "first_step_s" in r]
+        if not ok:
+            return records[0]
+        out = dict(ok[len(ok) // 2])  # counts (frames, graphs) from one round
+        out["first_step_s"] = statistics.median(r["first_step_s"] for r in ok)
+        if "phases_s" in ok[0]:
+            out["phases_s"] = {k: statistics.median(r["phases_s"][k] for r in ok) for k in ok[0]["phases_s"]}
+        if "planning_s" in ok[0]:
+            out["planning_s"] = statistics.median(r["planning_s"] for r in ok)
+        out["rounds"] = len(ok)
+        return out
+
+    rows = []
+    for depth in args.depths:
+        for variant in args.variants:
+            mine = [r for r in runs if r["depth"] == depth and r["variant"] == variant]
+            rows.append({"depth": depth, "variant": variant, "cold": median([r["cold"] for r in mine]),
+                         "warm": median([r["warm"] for r in mine])})
+    return rows
 
 
 def _phase_table(rows, args) -> None:
