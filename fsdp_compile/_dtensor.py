@@ -24,7 +24,10 @@ def forget_meshes() -> None:
     from torch.distributed.tensor._collective_utils import MeshTopoInfo
     from torch.distributed.tensor._redistribute import _gen_transform_infos
 
+    from fsdp_compile._extensions import _GRAD_SPECS
+
     clear_sharding_cache()
+    _GRAD_SPECS.clear()  # LocalShards' gradient specs, keyed by their parameters' specs (which hold meshes)
     DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
     _gen_transform_infos.cache_clear()
     MeshTopoInfo.build_from_mesh.cache_clear()

@@ -168,22 +168,24 @@ class LocalShards(torch.autograd.Function):
             if grad is None:
                 out.append(None)
                 continue
-            key = (spec, grad.shape, grad.stride(), grad.dtype)
-            grad_spec = _GRAD_SPECS.get(key)
-            if grad_spec is None:
-                grad_spec = _grad_spec(spec, grad)
+            key = (id(spec), grad.shape, grad.stride(), grad.dtype)
+            kept = _GRAD_SPECS.get(key)
+            if kept is None or kept[0] is not spec:
+                kept = (spec, _grad_spec(spec, grad))
                 if len(_GRAD_SPECS) >= 8192:  # parameters replaced many times over: start afresh
                     _GRAD_SPECS.clear()
-                _GRAD_SPECS[key] = grad_spec
-            out.append(DTensor(grad.view_as(grad), grad_spec, requires_grad=False))
+                _GRAD_SPECS[key] = kept
+            out.append(DTensor(grad.view_as(grad), kept[1], requires_grad=False))
         return tuple(out)
 
 
-# (parameter's spec, gradient's shape, stride, dtype) -> the gradient's DTensorSpec. Building one is Python
-# (DTensorSpec's __post_init__ and its guarded __setattr__), every parameter every step, and gives the same
-# spec every step; torch shares specs between DTensors (FSDP2 builds every step's sharded gradient on its
-# one _sharding_spec), so one is kept per parameter and layout: 147 parameters (a 16-layer Llama) 1.88 ms
-# -> 0.08 ms a step on the development machine.
+# (id of the parameter's spec, gradient's shape, stride, dtype) -> (that spec, the gradient's DTensorSpec).
+# Building one is Python (DTensorSpec's __post_init__ and its guarded __setattr__), every parameter every
+# step, and gives the same spec every step; torch shares specs between DTensors (FSDP2 builds every step's
+# sharded gradient on its one _sharding_spec), so one is kept per parameter and layout: 147 parameters (a
+# 16-layer Llama) 1.88 ms -> 0.08 ms a step on the development machine. Keyed by the spec object, not its
+# value: specs compare equal by mesh layout, and a mesh built later on new process groups would be handed
+# the old mesh (_dtensor.forget_meshes); the entry holds the spec, so its id is not reused meanwhile.
 _GRAD_SPECS: dict = {}
 
 

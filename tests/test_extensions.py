@@ -129,8 +129,10 @@ def test_local_shards_are_to_local_in_one_autograd_node():
     same views and, in the backward, the same DTensor gradients (values, placements, global shape and
     stride, dtype) as ``to_local`` per parameter, on a 1-D and a 2-D mesh (a Replicate dim among them),
     for a contiguous and a transposed gradient; a frozen parameter's shard needs no gradient, as its
-    ``to_local`` does; one autograd node for all of them."""
+    ``to_local`` does; one autograd node for all of them. The gradient specs it keeps serve the same
+    parameter only."""
     from torch.distributed.tensor import DTensor, Replicate, Shard, init_device_mesh
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
     from fsdp_compile._extensions import LocalShards
 
@@ -162,3 +164,13 @@ def test_local_shards_are_to_local_in_one_autograd_node():
                     assert batched.stride() == per_param.stride() and batched.dtype == per_param.dtype
                     assert torch.equal(batched._local_tensor, per_param._local_tensor)
                     assert again._spec is batched._spec and torch.equal(again._local_tensor, batched._local_tensor)
+        # a mesh of the same layout built later (specs compare equal across the two): its parameters' gradients
+        # are on it, not on the first (kept specs are keyed by the parameter's spec object). The parameter is
+        # built from its spec: DTensor.from_local's and nn.Parameter's paths hand out the first mesh in torch 2.13
+        later = init_device_mesh("cpu", (4,))
+        assert later == meshes[0] and later is not meshes[0]
+        spec = DTensorSpec(later, (Shard(0),), tensor_meta=TensorMeta(torch.Size((12, 4)), (4, 1), torch.float32))
+        params = [DTensor(torch.randn(3, 4), spec, requires_grad=True)]
+        assert params[0]._spec.mesh is later
+        (grad,) = torch.autograd.grad(LocalShards.apply(*params), params, [torch.randn(3, 4)])
+        assert grad._spec.mesh is later
