@@ -80,21 +80,27 @@ def _torch(
         torch._foreach_copy_(dsts, list(torch.split_with_sizes(g, list(n), dim=1)))
 
 
-def check(gathered, full_shapes, world_size: int) -> tuple[torch.Tensor, list[tuple], list[int]]:
-    """Returns gathered as 1-D, the shapes and n_i; raises if its size does not match (full_shapes, world_size)."""
+def _shapes(full_shapes, world_size: int) -> tuple[list[tuple], list[int]]:
+    """The checked shapes and n_i (the fake's and ``_plan``'s: one rule for the graph's sizes and the run's)."""
     shapes = C.check_full_shapes(full_shapes)
     C.check_world(world_size)
-    n = L.padded_numels(shapes, world_size)
-    flat = C.check_flat_input(gathered, "gathered", world_size * sum(n), f"world_size * sum(n_i) = {world_size} * {sum(n)}")
-    return flat, shapes, n
+    return shapes, L.padded_numels(shapes, world_size)
+
+
+def _flat(gathered, world_size: int, total) -> torch.Tensor:
+    return C.check_flat_input(gathered, "gathered", world_size * total, f"world_size * sum(n_i) = {world_size} * {total}")
+
+
+def check(gathered, full_shapes, world_size: int) -> tuple[torch.Tensor, list[tuple], list[int]]:
+    """Returns gathered as 1-D, the shapes and n_i; raises if its size does not match (full_shapes, world_size)."""
+    shapes, n = _shapes(full_shapes, world_size)
+    return _flat(gathered, world_size, sum(n)), shapes, n
 
 
 @functools.lru_cache(maxsize=1024)
 def _plan(flat_shapes: tuple, ndims: tuple, world_size: int) -> C.CallSizes:
     """Once per (shapes, world size)."""
-    shapes = C.check_full_shapes(C.unflatten_shapes(flat_shapes, ndims))
-    C.check_world(world_size)
-    n = L.padded_numels(shapes, world_size)
+    shapes, n = _shapes(C.unflatten_shapes(flat_shapes, ndims), world_size)
     offs, numels = L.offsets(n), [math.prod(s) for s in shapes]
     return C.CallSizes(shapes, tuple(numels), tuple(n), offs, sum(n), C.size_gcd([*numels, *n, *offs, sum(n)]))
 
@@ -102,7 +108,7 @@ def _plan(flat_shapes: tuple, ndims: tuple, world_size: int) -> C.CallSizes:
 def run(gathered, flat_shapes, ndims, world_size: int, dtype=None, impl: str = "auto") -> list[torch.Tensor]:
     """Checked entry used by the op (the shapes flattened, as in its schema)."""
     plan = _plan(tuple(flat_shapes), tuple(ndims), world_size)
-    flat = C.check_flat_input(gathered, "gathered", world_size * plan.total, f"world_size * sum(n_i) = {world_size} * {plan.total}")
+    flat = _flat(gathered, world_size, plan.total)
     C.check_dtype(dtype)
     dtype = dtype or gathered.dtype
     impl = C.resolve_impl(impl, gathered.device, (gathered.dtype, dtype))

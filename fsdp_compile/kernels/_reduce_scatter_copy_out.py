@@ -63,23 +63,29 @@ def _torch(reduced: torch.Tensor, n: Sequence[int], offs: Sequence[int], outs: S
     torch._foreach_copy_(list(outs), [v.view(*o.shape) for v, o in zip(views[0::2], outs)])
 
 
-def check(reduced, full_shapes, world_size: int, rank: int) -> tuple[torch.Tensor, list[tuple], list[int]]:
-    """Returns reduced as 1-D, the local shard shapes and n_i; raises if reduced's size does not match."""
+def _shapes(full_shapes, world_size: int, rank: int) -> tuple[list[tuple], list[int]]:
+    """This rank's shard shapes and n_i, checked (the fake's and ``_plan``'s: one rule for the graph's sizes
+    and the run's)."""
     shapes = C.check_full_shapes(full_shapes)
     C.check_world(world_size, rank)
-    n = L.padded_numels(shapes, world_size)
-    flat = C.check_flat_input(reduced, "reduced", sum(n), "sum(n_i) for these full_shapes and world_size")
     local = [(L.rank_rows(s[0], world_size, rank), *s[1:]) for s in shapes]
-    return flat, local, n
+    return local, L.padded_numels(shapes, world_size)
+
+
+def _flat(reduced, total) -> torch.Tensor:
+    return C.check_flat_input(reduced, "reduced", total, "sum(n_i) for these full_shapes and world_size")
+
+
+def check(reduced, full_shapes, world_size: int, rank: int) -> tuple[torch.Tensor, list[tuple], list[int]]:
+    """Returns reduced as 1-D, the local shard shapes and n_i; raises if reduced's size does not match."""
+    local, n = _shapes(full_shapes, world_size, rank)
+    return _flat(reduced, sum(n)), local, n
 
 
 @functools.lru_cache(maxsize=1024)
 def _plan(flat_shapes: tuple, ndims: tuple, world_size: int, rank: int) -> C.CallSizes:
     """Once per (shapes, world size, rank); its shapes are this rank's shard shapes."""
-    shapes = C.check_full_shapes(C.unflatten_shapes(flat_shapes, ndims))
-    C.check_world(world_size, rank)
-    n = L.padded_numels(shapes, world_size)
-    local = [(L.rank_rows(s[0], world_size, rank), *s[1:]) for s in shapes]
+    local, n = _shapes(C.unflatten_shapes(flat_shapes, ndims), world_size, rank)
     numels, offs = [math.prod(s) for s in local], L.offsets(n)
     return C.CallSizes(local, tuple(numels), tuple(n), offs, sum(n), C.size_gcd([*numels, *offs]))
 
@@ -87,7 +93,7 @@ def _plan(flat_shapes: tuple, ndims: tuple, world_size: int, rank: int) -> C.Cal
 def run(reduced, flat_shapes, ndims, world_size: int, rank: int, dtype=None, impl: str = "auto") -> list[torch.Tensor]:
     """Checked entry used by the op (the shapes flattened, as in its schema)."""
     plan = _plan(tuple(flat_shapes), tuple(ndims), world_size, rank)
-    flat = C.check_flat_input(reduced, "reduced", plan.total, "sum(n_i) for these full_shapes and world_size")
+    flat = _flat(reduced, plan.total)
     C.check_dtype(dtype)
     dtype = dtype or reduced.dtype
     impl = C.resolve_impl(impl, reduced.device, (reduced.dtype, dtype))
