@@ -220,11 +220,10 @@ def prepare(units_params: list[list], units_plans: list[list], world_size_of) ->
     shards, tensors, key = [], [], []
     every = [p for params in units_params for p in params]
     flat = LocalShards.apply(*every) if every else ()
-    units_locals, start = [], 0
-    for params in units_params:
-        units_locals.append(flat[start : start + len(params)])
+    start = 0
+    for params, plans in zip(units_params, units_plans):
+        locals_ = flat[start : start + len(params)]
         start += len(params)
-    for plans, locals_ in zip(units_plans, units_locals):
         if not any(pp.extension is not None for pp in plans):
             shards.append(list(locals_))
             tensors.append([])
