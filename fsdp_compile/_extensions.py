@@ -51,7 +51,7 @@ _CONSTANTS = (type(None), bool, int, float, str, torch.dtype, torch.Size)
 def read_spec(where: str, local: Tensor, args: tuple, parallel: bool, post_forward: bool, world_size: int):
     """The plan's ``ExtensionSpec`` of one parameter (``plan._read_group``), or a ``NotImplementedError``
     that names it and why."""
-    from fsdp_compile.plan import ExtensionSpec
+    from fsdp_compile._param_specs import ExtensionSpec
 
     kind = type(local).__name__
     why = None
