@@ -97,8 +97,10 @@ def machine(d: dict) -> str:
         count = gpu.get("gpu_count", env.get("gpu_count", d.get("gpu_count")))
         device = f"GPU: {gpu_name}" + (f" (machine has {count})" if count is not None else "")
         device += f"; host CPU model {NR}, {cores}"
-    else:
+    elif m or env:  # the harness records machine.cuda = None on a CPU run
         device = f"CPU (model {NR}), {cores}"
+    else:
+        device = f"device {NR}"
     parts = [device, f"torch {m.get('torch') or env.get('torch') or d.get('torch') or NR}"]
     for label, value in (("CUDA", gpu.get("cuda") or env.get("cuda_version") or (d.get("cuda") if gpu_name else None)),
                          ("Triton", gpu.get("triton") or env.get("triton") or d.get("triton")),
@@ -135,6 +137,9 @@ def torchrun(script: str, world, opts: list[str]) -> str:
 def command(name: str, d: dict) -> str:
     """``- command ...`` line: the recorded arguments as a command, or what can be rebuilt and how."""
     stem = name[:-len(".json")]
+    recorded = d.get("command") or (d.get("machine") or {}).get("command")  # a JSON that records its command line
+    if recorded:
+        return "command (recorded): " + code(recorded if isinstance(recorded, str) else " ".join(map(str, recorded)))
     cfg = d.get("config") or d.get("args")
     if name.startswith(("gpu_step_", "compiled_vs_eager_")) and cfg:
         cfg = dict(cfg, device=str(cfg.get("device", "auto")).split(":")[0])  # recorded as resolved (cuda:0)
@@ -427,8 +432,17 @@ def section(name: str, results_dir: str, files: set[str]) -> list[str]:
     with open(os.path.join(results_dir, name)) as f:
         d = json.load(f)
     prefix = next((p for p in sorted(RENDERERS, key=len, reverse=True) if name.startswith(p)), None)
-    body = RENDERERS[prefix](d) if prefix else generic(d)
-    return header(name, d) + body + plot(name, files)
+    try:
+        body = RENDERERS[prefix](d) if prefix else generic(d)
+    except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError) as e:  # a schema this script does not know yet
+        body = [f"This JSON does not have the schema its name suggests ({type(e).__name__}: {e}); extend "
+                "bench/results_page.py."] + generic(d)
+    try:
+        head = header(name, d)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        head = [f"### {name}", "", f"- file: [`bench/results/{name}`]({LINK}{name})",
+                f"- machine and command: could not be read ({type(e).__name__}: {e})", ""]
+    return head + body + plot(name, files)
 
 
 def anchor(title: str) -> str:
