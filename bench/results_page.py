@@ -36,12 +36,20 @@ FAMILIES = [
     ("GPU: copy kernels", "gpu_kernels", "`bench/kernels.py --device cuda` (`bench/gpu.sh` step 2): GB/s of device time "
      "(bytes read + written) of the Triton copy kernels against `copy_` and FSDP2's own copy ops."),
     ("GPU: cuda-marked tests", "gpu_tests", "`pytest -m cuda` on a GPU (`bench/gpu.sh` step 1)."),
-    ("CPU: compiled vs eager step", "compiled_vs_eager_", "`bench/compiled_vs_eager.py` on CPU gloo ranks: median "
-     "step of timed steps in interleaved windows; \"compute-only\" is the model without FSDP, \"comm-only\" fc's "
-     "collectives without compute."),
+    ("CPU: compiled vs eager step", "compiled_vs_eager_", "`bench/compiled_vs_eager.py` on CPU gloo ranks (one "
+     "thread each, `fc.single_thread_gloo`): median step of timed steps in interleaved windows. Variants: `eager` "
+     "(FSDP2), `torch.compile` (on the FSDP2 model), `fc` (defaults), `fc:fsdp_group` (one bucket per FSDP module), "
+     "`fc:no-regions`, `simplefsdp` (torchtitan 0.3.0's, with its transformer-block bucketing, when importable), "
+     "`compute-only` (the model unsharded, no collectives; with `--tp`, the TP model without FSDP), `comm-only` "
+     "(fc's collectives alone, same ops, sizes and order, no compute; its CPU busy time is what gloo takes from the "
+     "cores). The step floors: on a machine whose cores run both gloo and compute, no schedule beats compute-only + "
+     "comm-only's CPU time. First steps: since commit 49449c7 each variant compiles with Inductor's caches empty, "
+     "before it the variants of one run shared them, and these JSONs record no commit: compare compile times in the "
+     "compile-time runs."),
     ("CPU: where the step goes", "profile_step_", "`bench/profile_step.py`: ms per step by bucket under `torch.profiler`."),
-    ("CPU: gradient accumulation", "accumulation_", "`bench/accumulation.py`: micro-batches per optimizer step, with "
-     "and without `set_requires_gradient_sync(False)`; MiB per optimizer step."),
+    ("CPU: gradient accumulation", "accumulation_", "`bench/accumulation.py`: micro-batches per optimizer step; "
+     "`no_sync` sets `set_requires_gradient_sync(False)` on all micro-batches but the last; times and MiB per "
+     "optimizer step (counted at torch.distributed for eager, in the compiled graphs for fc)."),
     ("CPU: long run", "soak", "`bench/soak.py`: many steps beside eager FSDP2 with cycling sequence lengths."),
     ("Compile time", "compile_time", "`bench/compile_time.py`: first compiled step (compile included), cold caches and "
      "a warm restart, against depth; by torch's compile timers."),
@@ -49,7 +57,11 @@ FAMILIES = [
     ("CPU: copy kernels", "kernels", "`bench/kernels.py`: GB/s of the copy ops (torch implementation on CPU) against "
      "`copy_` and FSDP2's copy ops."),
     ("Simulated at scale", "scale_sim", "`bench/scale_sim.py`: the cost model and simulator on Llama-3 shapes on the "
-     "meta device; nothing here ran on a GPU: H100 figures are predictions."),
+     "meta device, batch 1 x 2048 per rank, bf16 compute; nothing here ran on a GPU: H100 figures are predictions. "
+     "Variants: `eager-equivalent` (one collective per FSDP module, issued just in time), `eager FSDP2` (the same "
+     "graphs with eager FSDP2's own schedule: the next module prefetched in backward, one reduce-scatter pending), "
+     "`fc default`, `torch 2.13 passes` (Inductor's bucketing passes with their defaults). The limit is "
+     "max(compute, busiest process group's communication) from the same simulation."),
     ("Cost-model calibration", "calibrate_cpu_gloo", "`bench/calibrate_cpu_gloo.py`: the constants of the `cpu-gloo` profile."),
 ]
 _NOT_FLAGS = {"out", "world_size"}  # keys of a recorded config that are not command-line options
