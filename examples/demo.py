@@ -1,15 +1,17 @@
-"""Train a small Llama-style model on CPU ranks: eager FSDP2, then the same model through fsdp_compile.
+"""Train a small Llama-style model on 2 ranks: eager FSDP2, then the same model through fsdp_compile.
 
     torchrun --nproc-per-node 2 examples/demo.py [--backend inductor|aot_eager] [--steps 8] [--size tiny]
 
 Both runs start from the same seed and see the same data; the demo prints both loss curves, the
-collectives each step issues, the first-step (compile) time and the step-time ratio.
+collectives each step issues, the first-step (compile) time and the step-time ratio. NCCL where
+every rank has a GPU, else gloo on CPU.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import os
 import statistics
 import time
@@ -22,9 +24,10 @@ from torch.distributed.fsdp import fully_shard
 import fsdp_compile as fc
 from fsdp_compile.models import SIZES, Llama, llama_blocks
 
-def build(size: str):
+def build(size: str, device: torch.device):
     torch.manual_seed(0)
-    model = Llama(SIZES[size])
+    with device:
+        model = Llama(SIZES[size])
     for block in llama_blocks(model):
         fully_shard(block)
     return fully_shard(model)
@@ -38,11 +41,11 @@ def batch(step: int, rank: int, vocab: int, seq: int = 32):
     return (start + stride * torch.arange(seq + 1)) % vocab  # [B, S+1]
 
 
-def train(model, steps: int, rank: int, vocab: int):
+def train(model, steps: int, rank: int, vocab: int, device: torch.device):
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses, times = [], []
     for step in range(steps):
-        seq = batch(step, rank, vocab)
+        seq = batch(step, rank, vocab).to(device)
         dist.barrier()
         t0 = time.perf_counter()
         logits = model(seq[:, :-1])
@@ -50,9 +53,24 @@ def train(model, steps: int, rank: int, vocab: int):
         loss.backward()
         opt.step()
         opt.zero_grad()
+        losses.append(loss.item())  # waits for the device
         times.append(time.perf_counter() - t0)
-        losses.append(loss.item())
+        if not math.isfinite(losses[-1]):
+            raise SystemExit(f"rank {rank}: step {step}: loss is {losses[-1]}")
     return losses, times
+
+
+def init_distributed() -> torch.device:
+    timeout = datetime.timedelta(seconds=600)
+    if torch.cuda.device_count() >= int(os.environ["LOCAL_WORLD_SIZE"]):  # a GPU for every rank: NCCL
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device, timeout=timeout)
+        return device
+    torch.set_num_threads(1)
+    fc.single_thread_gloo()  # before init: torch's gloo can race between its two worker threads
+    dist.init_process_group("gloo", timeout=timeout)
+    return torch.device("cpu")
 
 
 def main():
@@ -63,18 +81,16 @@ def main():
     args = parser.parse_args()
     if "RANK" not in os.environ:
         parser.error("launch with torchrun, e.g.: torchrun --nproc-per-node 2 examples/demo.py")
-    torch.set_num_threads(1)
-    fc.single_thread_gloo()  # torch's gloo races between its worker threads (fsdp_compile/_gloo.py)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
+    device = init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     vocab = SIZES[args.size].vocab
     say = print if rank == 0 else (lambda *a, **k: None)
-    say(f"fsdp_compile demo: Llama '{args.size}' on {world} CPU ranks (gloo), {args.steps} steps, backend={args.backend}")
+    say(f"fsdp_compile demo: Llama '{args.size}' on {world} {device.type} ranks ({dist.get_backend()}), {args.steps} steps, backend={args.backend}")
 
-    eager_losses, eager_times = train(build(args.size), args.steps, rank, vocab)
+    eager_losses, eager_times = train(build(args.size, device), args.steps, rank, vocab, device)
     say("eager FSDP2 done; compiling (the first compiled step includes the compile)...")
-    compiled = fc.compile(build(args.size), backend=args.backend)
-    comp_losses, comp_times = train(compiled, args.steps, rank, vocab)
+    compiled = fc.compile(build(args.size, device), backend=args.backend)
+    comp_losses, comp_times = train(compiled, args.steps, rank, vocab, device)
 
     say("\nstep | eager loss | compiled loss | |diff|")
     for i, (a, b) in enumerate(zip(eager_losses, comp_losses)):
