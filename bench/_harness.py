@@ -130,7 +130,7 @@ def init_ranks(timeout_s: float = 900.0):
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     else:
         torch.set_num_threads(1)
-        fc.single_thread_gloo()  # torch's gloo races between its worker threads (fsdp_compile/_gloo.py)
+        fc.single_thread_gloo()  # torch's gloo races between its worker threads (fsdp_compile/_torch/_gloo.py)
     dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     rank = dist.get_rank()

@@ -68,7 +68,7 @@ def _rank(rank: int, store: str, args, out: str) -> None:
 
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=W)
     else:
-        fc.single_thread_gloo()  # torch's gloo races between its worker threads (fsdp_compile/_gloo.py)
+        fc.single_thread_gloo()  # torch's gloo races between its worker threads (fsdp_compile/_torch/_gloo.py)
         dist.init_process_group("gloo", store=dist.FileStore(store, W), rank=rank, world_size=W,
                                 timeout=datetime.timedelta(seconds=900))
     model, blocks = build(args.model, args.depth)

@@ -64,7 +64,7 @@ import _harness as H  # noqa: E402
 
 import fsdp_compile as fc  # noqa: E402
 from fsdp_compile import passes  # noqa: E402
-from fsdp_compile._dtensor import forget_meshes  # noqa: E402
+from fsdp_compile._torch._dtensor import forget_meshes  # noqa: E402
 from fsdp_compile.debug import explain_graphs  # noqa: E402
 from fsdp_compile.passes.planner import eager_fsdp2  # noqa: E402
 from fsdp_compile.plan import read_plan  # noqa: E402
@@ -101,7 +101,7 @@ def capture(size: str, world: int, seq: int, hardware: str, tp: int = 1, float8:
         return [captured.forward[0], captured.backward[0]], report, passes.modules_of(read_plan(model))
     finally:
         dist.destroy_process_group()
-        forget_meshes()  # the next capture's mesh, on a new fake group, must not meet this one (_dtensor.py)
+        forget_meshes()  # the next capture's mesh, on a new fake group, must not meet this one (fsdp_compile/_torch/_dtensor.py)
 
 
 def score(graphs, hardware: str, variant: str, world: int, schedule=None, tp: int = 1) -> dict:

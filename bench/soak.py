@@ -59,7 +59,7 @@ def main():
     if "RANK" not in os.environ:
         ap.error("launch with torchrun, e.g.: torchrun --nproc-per-node 2 bench/soak.py")
     torch.set_num_threads(1)
-    fc.single_thread_gloo()  # torch's gloo races between its worker threads (fsdp_compile/_gloo.py)
+    fc.single_thread_gloo()  # torch's gloo races between its worker threads (fsdp_compile/_torch/_gloo.py)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
     rank = dist.get_rank()
     device = torch.device("cpu")

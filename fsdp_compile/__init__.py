@@ -3,7 +3,7 @@
 from fsdp_compile import ops as _ops  # noqa: F401  (registers the fsdp_compile:: ops)
 from fsdp_compile._api import CompiledFSDPModule, compile, fully_shard
 from fsdp_compile._explain import explain
-from fsdp_compile._gloo import single_thread_gloo
+from fsdp_compile._torch._gloo import single_thread_gloo
 from fsdp_compile.config import CompileConfig
 from fsdp_compile.report import Bucket, Report
 

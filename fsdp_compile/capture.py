@@ -29,7 +29,8 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 
-from fsdp_compile import _extensions, _fsdp2, _invoke_subgraph
+from fsdp_compile import _extensions, _fsdp2
+from fsdp_compile._torch import _invoke_subgraph
 from fsdp_compile._annotations import UNSHARD, annotate
 from fsdp_compile.ops import Comm, Reduction, UnshardArgs
 from fsdp_compile.passes.schedule import Schedule, Unit

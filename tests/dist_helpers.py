@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import fsdp_compile as fc
-from fsdp_compile._dtensor import forget_meshes
+from fsdp_compile._torch._dtensor import forget_meshes
 
 
 class RankFailure(AssertionError):
@@ -53,7 +53,7 @@ def _worker(rank, world_size, store_path, pg_timeout, fn, args, results, env):
         # to its stderr, which pytest shows under the failing fixture
         faulthandler.enable(all_threads=True)
         torch.set_num_threads(1)
-        fc.single_thread_gloo()  # torch's gloo races between its worker threads (fsdp_compile/_gloo.py)
+        fc.single_thread_gloo()  # torch's gloo races between its worker threads (fsdp_compile/_torch/_gloo.py)
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group(
             "gloo", store=store, rank=rank, world_size=world_size,

@@ -2,7 +2,7 @@
 ``init_process_group``, as the demo and the benchmarks do).
 
 * the default group, a new group and a 2-D DeviceMesh's groups are torch's ``ProcessGroupGloo`` with one
-  worker thread (torch's two race on the group's status: ``fsdp_compile/_gloo.py``);
+  worker thread (torch's two race on the group's status: ``fsdp_compile/_torch/_gloo.py``);
 * ``fc.compile`` on a model sharded over a gloo group with two worker threads warns, naming the fix; on
   one-thread groups it does not; the one-thread group trains like eager FSDP2 (the parity tests run on
   such groups throughout);
@@ -27,7 +27,7 @@ def gloo_worker(rank, world_size):
     from torch.distributed.fsdp import fully_shard
 
     import fsdp_compile as fc
-    from fsdp_compile._gloo import gloo_threads, measure_collective_scratch
+    from fsdp_compile._torch._gloo import gloo_threads, measure_collective_scratch
 
     out = {}
     world = dist.group.WORLD

@@ -170,7 +170,7 @@ def test_region_outputs_that_are_inputs_keep_them_alive():
 
     import torch.nn.functional as F
 
-    from fsdp_compile._invoke_subgraph import region_aliases_patchable, region_outputs_alias_inputs
+    from fsdp_compile._torch._invoke_subgraph import region_aliases_patchable, region_outputs_alias_inputs
     from fsdp_compile.models import Llama, LlamaArgs
 
     assert region_aliases_patchable()

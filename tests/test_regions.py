@@ -13,7 +13,7 @@ import torch.nn as nn
 import fsdp_compile as fc
 from dist_helpers import fake_process_group
 from fsdp_compile import capture
-from fsdp_compile._invoke_subgraph import GUARDED_REUSE
+from fsdp_compile._torch._invoke_subgraph import GUARDED_REUSE
 from fsdp_compile.report import count_collectives
 from models import Llama, LlamaArgs, shard
 
@@ -53,7 +53,7 @@ def schemas(monkeypatch):
     other subgraph, is counted under ``None``."""
     from torch._higher_order_ops.invoke_subgraph import invoke_subgraph
 
-    from fsdp_compile import _invoke_subgraph as IS
+    from fsdp_compile._torch import _invoke_subgraph as IS
 
     hop = type(invoke_subgraph)
     torchs = hop.gen_schema
@@ -227,7 +227,7 @@ def test_fingerprint_equals_torchs(monkeypatch, use_cache):
     than 2.13 (``GUARDED_REUSE``)."""
     import torch._dynamo.variables.invoke_subgraph as IS
 
-    from fsdp_compile import _invoke_subgraph
+    from fsdp_compile._torch import _invoke_subgraph
 
     ours = _invoke_subgraph._fingerprint
     walked, handed_on = [], []
@@ -413,8 +413,8 @@ def test_admission_refuses_every_region_when_told():
 
 def test_complex_region_trains():
     """Complex RoPE inside a region saves a conjugate view for the backward region: torch 2.13 has no
-    Conjugate kernel for invoke_subgraph; ours (fsdp_compile._invoke_subgraph) resolves it, bitwise."""
-    from fsdp_compile import _invoke_subgraph
+    Conjugate kernel for invoke_subgraph; ours (fsdp_compile._torch._invoke_subgraph) resolves it, bitwise."""
+    from fsdp_compile._torch import _invoke_subgraph
 
     _invoke_subgraph.register()
 

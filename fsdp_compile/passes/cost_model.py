@@ -158,7 +158,7 @@ CPU_GLOO = HardwareProfile(
     view_overhead=3.45 * US,  # per aten.view node of an FX graph
     intra=LinkProfile(bus_bw=0.558 * GB, step_latency=499.8 * US, base_latency=0.0),  # AG + RS fit, 4 KiB..16 MiB
     ranks_per_node=1 << 30,  # one host: every rank on the same "node"
-    # torch 2.13's gloo (fsdp_compile._gloo.measure_collective_scratch; tests/test_gloo_multirank.py checks it): a
+    # torch 2.13's gloo (fsdp_compile._torch._gloo.measure_collective_scratch; tests/test_gloo_multirank.py checks it): a
     # reduce-scatter copies its whole input at issue and all-reduces the copy, freed at the wait. An all-gather's
     # flat buffer (its output's size) lives only while it runs on the group's worker thread and is freed before
     # the wait: counted from issue to wait it would charge a prefetched all-gather twice its bytes for the whole

@@ -14,7 +14,7 @@ right (each measured against eager FSDP2, ``tests/test_regions.py``):
   input or buffer mutations"); inline, AOTAutograd functionalizes it like any buffer update.
 
 (Complex tensors at a region's boundary, e.g. complex RoPE, crashed too; that one is fixed at the root:
-``fsdp_compile._invoke_subgraph``.)
+``fsdp_compile._torch._invoke_subgraph``.)
 
 ``admit_regions(gm, fake_mode)`` decides per region call from the graph alone (rank-invariant: the same
 model traces the same graph on every rank) and inlines the calls it refuses, in place. What it returns
@@ -31,7 +31,7 @@ import re
 import torch
 import torch.fx as fx
 
-from fsdp_compile._invoke_subgraph import ATEN_FORMS
+from fsdp_compile._torch._invoke_subgraph import ATEN_FORMS
 
 _INVOKE_SUBGRAPH = torch.ops.higher_order.invoke_subgraph
 _CHECKPOINT = torch.ops.higher_order.tag_activation_checkpoint
@@ -62,7 +62,7 @@ class RegionDecision:
 INDUCTOR_REGIONS_UNSOUND = (
     "regions under this torch's Inductor are not known to be sound: its lowering of a region call may reuse "
     "the memory of a region input that a region output aliases (torch 2.14.1 without "
-    "fsdp_compile._invoke_subgraph.region_outputs_alias_inputs: every gradient of fsdp_compile.models' "
+    "fsdp_compile._torch._invoke_subgraph.region_outputs_alias_inputs: every gradient of fsdp_compile.models' "
     "2-layer Llama off, by up to 3.7e3; exact inline)"
 )
 

@@ -46,6 +46,23 @@ tracing ``pytree.tree_flatten`` through Dynamo where the call is plain (``_finge
 a record re-sources each of its sources once (``_clones_shared``). Dynamo's reuse lookups of a 16-layer HF
 Llama went from 1.34 s to 0.13 s of its compile (fingerprints 0.95 -> 0.003 s, checks 0.42 -> 0.12 s; one
 process, fake process group).
+
+**Versions, and when each part can go** (no upstream issue or PR is cited for any of them):
+
+* ``register``: the missing kernel seen on 2.13.0; checked on 2.13.0 and 2.14.1 (``test_complex_region_trains``,
+  fast tier). Goes when every supported torch registers its own Conjugate kernel (``register`` defers to it).
+* ``schemas_cached``: measured on 2.13.0; runs on 2.14.1 too (``test_regions.py``'s schema tests, fast tier).
+  Goes when torch's ``gen_schema`` stops re-tracing a region per call.
+* ``reuse_checked``: both holes seen on 2.13.0, the only torch where guarded reuse is on (``GUARDED_REUSE``);
+  on 2.14.1 only keyed reuse passes through it. Goes when Dynamo guards a pending attribute write on reuse,
+  records without raising, and stops reusing across a differing float attribute (2.14.1,
+  ``test_which_blocks_share_a_region``).
+* ``subgraphs_donate_nothing``: seen on 2.13.0; checked on 2.13.0 and 2.14.1
+  (``tests/test_ops.py::test_regions_under_inductor_two_layers``, CI's ``-m inductor tests/test_ops.py``). Goes
+  when ``SubgraphLowering`` stops taking the enclosing graph's ``bw_donated_idxs``.
+* ``region_outputs_alias_inputs``: seen on 2.14.1 (on 2.13.0 with ``reorder_for_peak_memory``); checked on both
+  by the same tests. Goes when ``test_region_outputs_that_are_inputs_keep_them_alive`` (torch alone) passes
+  without it: Inductor's ``InvokeSubgraph`` outputs declare the inputs they alias.
 """
 
 from __future__ import annotations

@@ -26,6 +26,15 @@ exception); it runs at about full speed, and with one-thread groups the same run
 ``DeviceMesh``) use one worker thread. Collectives of one group then run one after another (those of
 different groups still run at once). On the development machine (2 cores, 2 ranks) the step benchmarks
 stayed within their noise and the multirank tests got faster. NCCL is not affected.
+
+Versions, and when it can go (no upstream issue or PR is cited; the race was found here): the race caught on
+2.13.0 under AddressSanitizer, and read in ``runLoop`` of 2.13.0 and of upstream's source (2026-11-25). The
+one-thread groups run under every multi-rank test on 2.13.0 (``tests/test_gloo_multirank.py`` checks one
+worker thread and the warning) and under the demo on 2.14.1 (CI part 4), where the race was not re-run
+under ASan. ``single_thread_gloo`` and ``warn_if_racy_gloo`` go when every supported torch writes the group's
+status under its lock; ``single_thread_gloo`` is public (``fsdp_compile.__all__``, the examples call it), so
+it stays a no-op for a release first. ``gloo_threads`` and ``measure_collective_scratch`` measure gloo
+rather than work around it (the cost model's ``cpu-gloo`` profile cites them): they move, not go.
 """
 
 from __future__ import annotations

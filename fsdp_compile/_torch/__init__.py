@@ -1,0 +1,31 @@
+"""What we add to torch or work around in it: one file per torch behaviour.
+
+Each file's docstring names the behaviour, the torch versions it was checked on and when it can go. CI runs
+the whole suite on torch 2.13.0 and, on 2.14.1, the fast tier, ``-m inductor tests/test_ops.py``, the demo
+and the GPU-codegen tier (``.ci/run``): "2.14.1" below means one of those exercises the file there. No
+upstream issue or PR is cited for any of them yet.
+
+====================  ============================================  ==============  ====================================
+file                  torch behaviour                               checked on      delete when
+====================  ============================================  ==============  ====================================
+_invoke_subgraph.py   invoke_subgraph has no Conjugate kernel; its  2.13.0, 2.14.1  torch has the kernel, caches the
+                      gen_schema re-traces the region per call;                     schema, guards pending writes on
+                      Dynamo's region reuse misses attribute                        reuse, and lowers regions without
+                      writes made in the trace; Inductor's region                   those two faults (per part: its
+                      lowering takes the enclosing graph's donated                  docstring)
+                      inputs and hides outputs that alias inputs
+_dtensor.py           DTensor's sharding cache hands AOTAutograd    2.13.0, 2.14.1  a TP model compiled after an eager
+                      an eager decision (a bad joint graph);        (the failure:   step traces without it; meshes on
+                      meshes compare equal by layout, so a new      2.13.0)         other process groups stop comparing
+                      mesh meets a destroyed one in the caches                      equal
+_gloo.py              ProcessGroupGloo's worker threads write the   2.13.0 (ASan),  every supported torch writes the
+                      group's status without a lock: a double free  2.14.1 (demo)   status under its lock (public
+                                                                                    single_thread_gloo: kept as a no-op
+                                                                                    for a release)
+====================  ============================================  ==============  ====================================
+
+Not here, because each is a decision that lives with the code it steers: ``_fsdp2.py`` (the one reader of
+FSDP2's private state, a version-checked adapter), ``backend.py``'s Inductor settings per torch
+(``REGIONS_SOUND_UNDER_INDUCTOR``), ``passes/regions.py``'s and ``capture/regions.py``'s reasons to compile
+a block inline instead of as a region.
+"""
