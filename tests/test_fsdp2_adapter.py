@@ -103,7 +103,7 @@ def test_forward_hooks_are_registered_on_the_modules(fake4):
     m = _llama()
     state, _ = _group(m, "layers.0")
     pre, post = _fsdp2.forward_hooks(state)
-    from fsdp_compile.capture import _wraps
+    from fsdp_compile.capture.hooks import _wraps
 
     assert any(_wraps(h, pre) for h in m.layers[0]._forward_pre_hooks.values())
     assert any(_wraps(h, post) for h in m.layers[0]._forward_hooks.values())

@@ -12,7 +12,7 @@ import torch.nn as nn
 
 import fsdp_compile as fc
 from dist_helpers import fake_process_group
-from fsdp_compile import capture
+from fsdp_compile.capture import regions as capture_regions
 from fsdp_compile._torch._invoke_subgraph import GUARDED_REUSE
 from fsdp_compile.report import count_collectives
 from models import Llama, LlamaArgs, shard
@@ -175,7 +175,7 @@ def test_which_blocks_share_a_region(gloo_world_1):
         blocks = [*m.same, *m.differ, *m.wide, m.lonely]
         shard(m, blocks)
         compiled = fc.compile(m, backend="aot_eager")
-        assert capture.find_repeated_blocks(m, compiled.plan) == [["same.0", "same.1", "differ.0", "differ.1"]]
+        assert capture_regions.find_repeated_blocks(m, compiled.plan) == [["same.0", "same.1", "differ.0", "differ.1"]]
         x = torch.randn(4, 8)
         with torch.no_grad():
             expected = m(x)  # eager FSDP2
@@ -444,13 +444,13 @@ def test_a_block_call_goes_in_flat():
         ((t, (t, u)), {"mask": None, "rope": (t, u), "sizes": [1, 2], "cache": False, "name": "x"}),
     ]
     for args, kwargs in calls:
-        spec, operands = capture._flatten_call((u, t), args, kwargs)
-        assert isinstance(spec, str) and all(isinstance(o, capture._LEAVES) for o in operands)
-        tensors, args2, kwargs2 = capture._unflatten_call(spec, 2, operands)
+        spec, operands = capture_regions._flatten_call((u, t), args, kwargs)
+        assert isinstance(spec, str) and all(isinstance(o, capture_regions._LEAVES) for o in operands)
+        tensors, args2, kwargs2 = capture_regions._unflatten_call(spec, 2, operands)
         assert tensors == (u, t) and args2 == args and kwargs2 == kwargs and type(kwargs2["rope"] if kwargs else ()) is tuple
     odd = ((t,), {"cache": object()})
-    spec, operands = capture._flatten_call((u,), *odd)
-    assert spec is None and capture._unflatten_call(spec, 1, operands) == ((u,), *odd)
+    spec, operands = capture_regions._flatten_call((u,), *odd)
+    assert spec is None and capture_regions._unflatten_call(spec, 1, operands) == ((u,), *odd)
 
 
 def test_the_reuse_key_of_a_block_call():
@@ -459,8 +459,8 @@ def test_the_reuse_key_of_a_block_call():
     t, u = torch.zeros(1), torch.ones(2, 3)
 
     def key(tensors, args, kwargs):
-        spec, operands = capture._flatten_call(tensors, args, kwargs)
-        return capture._reuse_key(spec, *operands)  # as the region is called
+        spec, operands = capture_regions._flatten_call(tensors, args, kwargs)
+        return capture_regions._reuse_key(spec, *operands)  # as the region is called
 
     base = key((u, t), (t,), {"mask": None})
     assert key((u + 1, t + 1), (t + 1,), {"mask": None}) == base

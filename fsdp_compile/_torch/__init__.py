@@ -22,6 +22,9 @@ _gloo.py              ProcessGroupGloo's worker threads write the   2.13.0 (ASan
                       group's status without a lock: a double free  2.14.1 (demo)   status under its lock (public
                                                                                     single_thread_gloo: kept as a no-op
                                                                                     for a release)
+_dynamo_logging.py    Dynamo cannot trace a logging.Logger method,  2.13.0          Dynamo replays reorderable logging
+                      and reorderable_logging_functions drops the                   calls from inlined frames, or traces
+                      calls made in inlined frames                                  a Logger method under fullgraph=True
 ====================  ============================================  ==============  ====================================
 
 Not here, because each is a decision that lives with the code it steers: ``_fsdp2.py`` (the one reader of

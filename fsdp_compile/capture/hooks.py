@@ -1,0 +1,147 @@
+"""FSDP2's eager forward hooks, bypassed while our compiled step runs; what ``compile`` attaches to a model.
+
+FSDP2 registers ``FSDPState._pre_forward`` / ``_post_forward`` as module hooks, and both are
+``torch._dynamo.disable``d: Dynamo cannot trace them (``fullgraph=True`` fails with "Attempted to call
+function marked as skipped"). We replace each of those two hook entries, in place and under the same
+hook id, by a dispatcher:
+
+* outside our compiled step it calls FSDP2's hook unchanged, so eager use of the model (evaluation,
+  debugging, plain ``torch.compile``) keeps FSDP2's exact behaviour;
+* inside it (``STEP.active``, which Dynamo guards on) it does only the traceable part of FSDP2's hook: the
+  ``MixedPrecisionPolicy`` casts (``cast_forward_inputs`` before, ``output_dtype`` after).
+
+The parameters come from ``forward.traced_forward`` instead. ``attach`` installs the dispatchers, the
+repeated blocks' regions (``regions.py``) and the model's logger stand-ins, once per model.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch.nn as nn
+
+from fsdp_compile import _fsdp2
+from fsdp_compile._torch._dynamo_logging import install_logging
+from fsdp_compile.capture.regions import install_regions
+from fsdp_compile.capture.step import STEP
+from fsdp_compile.plan import ShardingPlan, fsdp_states
+
+
+def _make_pre_hook(state, fsdp_hook):
+    policy = _fsdp2.mp_policy(state)
+    cast = _fsdp2.floating_cast(policy.param_dtype) if policy.cast_forward_inputs and policy.param_dtype else None
+
+    def fsdp_compile_pre_forward(module, args, kwargs):
+        if not STEP.active:
+            return fsdp_hook(module, args, kwargs)
+        if cast is None:
+            return args, kwargs
+        return cast(args), cast(kwargs)
+
+    fsdp_compile_pre_forward.fsdp_hook = fsdp_hook
+    return fsdp_compile_pre_forward
+
+
+def _make_post_hook(state, fsdp_hook):
+    output_dtype = _fsdp2.mp_policy(state).output_dtype
+    cast = _fsdp2.floating_cast(output_dtype) if output_dtype is not None else None
+
+    def fsdp_compile_post_forward(module, input, output):
+        if not STEP.active:
+            return fsdp_hook(module, input, output)
+        return output if cast is None else cast(output)
+
+    fsdp_compile_post_forward.fsdp_hook = fsdp_hook
+    return fsdp_compile_post_forward
+
+
+def _wraps(hook, fn) -> bool:
+    """``hook`` is ``fn``, or wraps it: a group's hooks are ``functools.wraps`` wrappers of the state's
+    (``_register_group_forward_hooks``), themselves wrapped by ``torch._dynamo.disable``."""
+    for _ in range(8):
+        if hook is None:
+            return False
+        if hook == fn:
+            return True
+        hook = getattr(hook, "__wrapped__", None)
+    return False
+
+
+def install_hooks(model: nn.Module) -> list[tuple[dict, int, object]]:
+    """Swap FSDP2's forward hooks for dispatchers, in place, under the same hook ids (eager behaviour is
+    unchanged). A group of several modules (``fully_shard([m1, m2])``) has FSDP2's hooks, wrapped, on each
+    of them. Returns ``(hook dict, hook id, dispatcher)`` per swap, for ``Attachment.detach``."""
+    swapped = []
+    for fqn, _, state in fsdp_states(model):
+        pre, post = _fsdp2.forward_hooks(state)
+        for module in _fsdp2.modules(state):
+            for hooks, fsdp_fn, make in (
+                (module._forward_pre_hooks, pre, _make_pre_hook),
+                (module._forward_hooks, post, _make_post_hook),
+            ):
+                found = False
+                for hook_id, hook in list(hooks.items()):
+                    if _wraps(hook, fsdp_fn) and not hasattr(hook, "fsdp_hook"):
+                        hooks[hook_id] = make(state, hook)
+                        swapped.append((hooks, hook_id, hooks[hook_id]))
+                        found = True
+                if not found:
+                    raise RuntimeError(f"FSDP2's forward hooks on {fqn or '<root>'!r} are missing; was a hook removed?")
+    return swapped
+
+
+class Attachment:
+    """What ``compile`` and ``explain`` install on a model: FSDP2's forward hooks swapped for dispatchers
+    (``install_hooks``), repeated blocks' forwards routed to regions (``install_regions``), and the model's
+    logger stand-ins (``install_logging``, swapped in only during a compiled call). Installed once per model
+    and shared by everything attached to it; ``detach`` puts the model back as it was when the last user
+    detaches."""
+
+    def __init__(self, model: nn.Module, installed: _Installed):
+        self.model, self._installed, self.attached = model, installed, True
+
+    @property
+    def repeated(self) -> list[list[str]]:
+        return self._installed.repeated
+
+    @property
+    def loggers(self) -> list[tuple[object, object]]:
+        return self._installed.loggers
+
+    def detach(self) -> None:
+        if not self.attached:
+            return
+        self.attached = False
+        installed = self._installed
+        installed.users -= 1
+        if installed.users:
+            return
+        del _INSTALLED[self.model]
+        for hooks, hook_id, dispatcher in installed.hooks:
+            if hooks.get(hook_id) is dispatcher:
+                hooks[hook_id] = dispatcher.fsdp_hook
+        for block, previous, ours in installed.forwards:
+            if block.__dict__.get("forward") is ours:
+                if previous is None:
+                    del block.forward
+                else:
+                    block.forward = previous
+
+
+class _Installed:
+    def __init__(self, hooks, repeated, forwards, loggers):
+        self.hooks, self.repeated, self.forwards, self.loggers, self.users = hooks, repeated, forwards, loggers, 0
+
+
+_INSTALLED: "weakref.WeakKeyDictionary[nn.Module, _Installed]" = weakref.WeakKeyDictionary()
+
+
+def attach(model: nn.Module, plan: ShardingPlan) -> Attachment:
+    """Install (once per model) what the compiled step needs on ``model``; see ``Attachment``."""
+    installed = _INSTALLED.get(model)
+    if installed is None:
+        hooks = install_hooks(model)
+        repeated, forwards = install_regions(model, plan)
+        installed = _INSTALLED[model] = _Installed(hooks, repeated, forwards, install_logging(model))
+    installed.users += 1
+    return Attachment(model, installed)

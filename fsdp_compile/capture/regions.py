@@ -1,0 +1,282 @@
+"""Regions: each repeated block traced and compiled once.
+
+A model's blocks (same class, parameter shapes, dtypes and mixed precision) run through one
+``torch.compiler.nested_compile_region`` function per kind of block, which takes the block's unsharded
+parameters and buffers as explicit inputs: AOTAutograd partitions and Inductor compiles the body once, and
+every block calls it (``invoke_subgraph``). The collectives and copies stay in the top-level graph, where
+the passes see them. Each block's own forward is what the region replaces: its FSDP hooks (our
+dispatchers) and any user hooks run per block, outside.
+
+A region traces one block and reuses the trace, so nothing that differs between blocks may be read inside
+it. Blocks whose plain attributes (ints, floats, strings, ...) are all equal share a template block and a
+reuse key: traced once. Blocks that differ in some attribute (HF decoder layers carry their layer_idx)
+pass themselves in instead, without a key: Dynamo traces the first and reuses that trace for the others
+where the guards on what it read hold, else traces them too and keeps one subgraph for identical ones
+(what it would have read differently, it keeps apart). Blocks with hooks inside are left alone.
+
+This installs the regions on the model, before any trace; ``passes/regions.py`` decides on the traced graphs
+which region calls stay regions.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.nn as nn
+
+from fsdp_compile._torch import _invoke_subgraph
+from fsdp_compile.capture.forward import _get
+from fsdp_compile.capture.step import STEP
+from fsdp_compile.plan import ShardingPlan
+
+
+_PLAIN = (int, float, str, bool, type(None))
+
+
+def _plain_attributes(module: nn.Module) -> tuple:
+    out = []
+    for name, sub in nn.Module.named_modules(module):
+        attrs = tuple(sorted((k, v) for k, v in vars(sub).items() if isinstance(v, _PLAIN)))
+        out.append((name, attrs))
+    return tuple(out)
+
+
+def _has_inner_hooks(module: nn.Module) -> bool:
+    for name, sub in nn.Module.named_modules(module):
+        hooks = list(sub._forward_hooks.values()) + list(sub._forward_pre_hooks.values())
+        if name == "":  # the block's own: FSDP2's (our dispatchers) run outside the region, per block
+            hooks = [h for h in hooks if not hasattr(h, "fsdp_hook")]
+        if hooks or sub._backward_hooks or sub._backward_pre_hooks:
+            return True
+    return False
+
+
+def find_repeated_blocks(model: nn.Module, plan: ShardingPlan) -> list[list[str]]:
+    """FSDP modules that can share one region, grouped (two or more each), in forward order."""
+    modules = dict(model.named_modules())
+    kinds: dict[tuple, list[str]] = {}
+    for g in plan.groups:
+        if g.fqn == "" or plan.has_fsdp_children(g.fqn):
+            continue
+        m = modules[g.fqn]
+        # raw names: CheckpointWrapper.named_parameters() strips its own prefix
+        params = list(nn.Module.named_parameters(m))
+        if {f"{g.fqn}.{n}" for n, _ in params} != {p.fqn for p in g.params} or _has_inner_hooks(m):
+            continue
+        signature = (
+            type(m), g.param_dtype,
+            tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in params),
+            tuple((n, tuple(b.shape), b.dtype) for n, b in nn.Module.named_buffers(m)),
+        )
+        kinds.setdefault(signature, []).append(g.fqn)
+    return [fqns for fqns in kinds.values() if len(fqns) >= 2]
+
+
+def _reuse_key(spec, *operands) -> int:
+    """What the template trace depends on besides the block: the call's structure (``_flatten_call``'s spec)
+    and its operands' dtypes, ranks, requires_grad. Dynamo traces it at every call of the region: a flat call
+    is hashed as it is (a pytree walk cost 16 ms a call), the rare nested one through its leaves."""
+    leaves = operands if spec is not None else torch.utils._pytree.tree_leaves(operands)
+    return hash((spec, *[
+        (t.dtype, t.dim(), t.requires_grad) if isinstance(t, torch.Tensor) else (type(t).__name__, repr(t))
+        for t in leaves
+    ]))
+
+
+def _make_region(blocks: list[nn.Module], index: int):
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    template = blocks[0]
+    names = tuple(n for n, _ in nn.Module.named_parameters(template)) + tuple(n for n, _ in nn.Module.named_buffers(template))
+    forward = type(template).forward
+    n = len(names)
+    if len({_plain_attributes(b) for b in blocks}) == 1:
+        def region(spec, *operands):
+            tensors, args, kwargs = _unflatten_call(spec, n, operands)
+            with _reparametrize_module(template, dict(zip(names, tensors))):
+                return forward(template, *args, **kwargs)
+
+        return torch.compiler.nested_compile_region(_unique_code(region, f"fsdp_compile_region_{index}"), reuse_hash_fn=_reuse_key), names, False
+
+    # Each block is passed in with its unsharded tensors already in place (traced_forward's call_with put
+    # them there), so the body sets nothing: Dynamo reuses the first block's trace for every later block whose
+    # guards on what the trace read hold (a layer_idx read by a KV cache's update does not), and traces the
+    # others as themselves. The tensors are operands so that the reuse maps each block's own to the subgraph's.
+    def region_of(block, tensors, *args, **kwargs):
+        return forward(block, *args, **kwargs)
+
+    return torch.compiler.nested_compile_region(_unique_code(region_of, f"fsdp_compile_region_{index}")), names, True
+
+
+# Why a kind of repeated block is compiled inline before any trace (``passes/regions.py`` decides the rest
+# on the traced graphs).
+INLINE_PARALLEL = (
+    "its parameters are DTensors of tensor or expert parallelism, and torch 2.13's invoke_subgraph hands a "
+    "region's DTensor outputs back as plain tensors (measured on torchtitan's Llama3 with TP)"
+)
+
+
+INLINE_SUBCLASS = (
+    "fsdp_post_all_gather rebuilds its parameter {fqn!r} as a {kind}, and torch 2.13's invoke_subgraph takes no "
+    "tensor subclass operands (measured with torchao's float8 weights)"
+)
+
+
+INLINE_FLOAT8 = (
+    "it holds torchao float8 modules ({kind}): under Inductor, a region holding their dynamic float8 casts "
+    "trained to another loss than eager FSDP2, torch.compile and the same blocks inline (measured: 3.08 against "
+    "2.339 after 14 steps of bench/compiled_vs_eager.py --float8 --quick; bitwise under aot_eager), cause not "
+    "found yet"
+)
+
+
+def inline_reason(plan: ShardingPlan, fqns: list[str], model: nn.Module) -> str | None:
+    """Why the blocks ``fqns`` (one kind) of ``model`` cannot run as a region at all, or None."""
+    params = [p for f in fqns for p in plan.group(f).params]
+    if any(p.parallel is not None for p in params):
+        return INLINE_PARALLEL
+    for p in params:
+        if p.extension is not None and p.extension.unsharded_kind != "Tensor":
+            return INLINE_SUBCLASS.format(fqn=p.fqn, kind=p.extension.unsharded_kind)
+    block = model.get_submodule(fqns[0])
+    float8 = sorted({type(m).__name__ for m in block.modules() if type(m).__module__.startswith("torchao.float8")})
+    if float8:
+        return INLINE_FLOAT8.format(kind=", ".join(float8))
+    return None
+
+
+def install_regions(model: nn.Module, plan: ShardingPlan) -> tuple[list[list[str]], list]:
+    """Route every repeated block's forward through its region while a compiled step runs with regions on
+    (outside a compiled step the block's own forward runs). Returns the repeated blocks (kind ``i`` runs as
+    ``fsdp_compile_region_<i>``, unless ``passes/regions.py`` inlines its calls) and, per block routed,
+    ``(block, its previous instance forward or None, the routing forward)`` for ``Attachment.detach``."""
+    _invoke_subgraph.register()
+    modules = dict(model.named_modules())
+    repeated = find_repeated_blocks(model, plan)
+    forwards = []
+    for index, fqns in enumerate(repeated):
+        blocks = [modules[f] for f in fqns]
+        if inline_reason(plan, fqns, model) is not None:
+            continue
+        region, names, pass_block = _make_region(blocks, index)
+        for block in blocks:
+            previous = block.__dict__.get("forward")
+            pairs = () if pass_block or block is blocks[0] else _attribute_pairs(block, blocks[0])
+            block.forward = _regional_forward(block, region, names, pass_block, pairs)
+            forwards.append((block, previous, block.forward))
+    return repeated, forwards
+
+
+def _attribute_pairs(block: nn.Module, template: nn.Module) -> tuple:
+    """``(submodule of block, the template's, its plain attributes' names)`` for every submodule of the block
+    that has plain attributes. Each submodule appears once: Dynamo guards that every path by which it meets
+    one object leads to that object, so one entry per attribute cost about 100 such guards per block."""
+    subs, out = dict(nn.Module.named_modules(template)), []
+    for path, sub in nn.Module.named_modules(block):
+        keys = tuple(key for key, value in vars(sub).items() if isinstance(value, _PLAIN))
+        if keys:
+            out.append((sub, subs[path], keys))
+    return tuple(out)
+
+
+def _written_apart(pairs) -> bool:
+    """Whether a block of a template region has a plain attribute that differs from the template's now: the
+    model's forward wrote it (``block.scale = ...`` in the parent's loop), in the trace. Dynamo reads both
+    (the write included) and folds the comparison; unwritten attributes are guarded, as any read is."""
+    for mine, template, keys in pairs:
+        for key in keys:
+            a, b = getattr(mine, key), getattr(template, key)
+            if a != b and (a == a or b == b):  # NaN equals NaN here
+                return True
+    return False
+
+
+def _holders(block: nn.Module, names) -> tuple:
+    """Per dotted name (a parameter's or buffer's), the ``_parameters`` or ``_buffers`` dict that holds it and
+    its key there, found once: Dynamo traced the ``getattr`` walk down to each at about 2 ms a tensor."""
+    out = []
+    for dotted in names:
+        path, _, key = dotted.rpartition(".")
+        module = _get(block, path) if path else block
+        out.append((module._parameters if key in module._parameters else module._buffers, key))
+    return tuple(out)
+
+
+def _regional_forward(block: nn.Module, region, names, pass_block: bool, pairs: tuple = ()):
+    own = getattr(block.forward, "fsdp_compile_own_forward", block.forward)  # the bound method of its class
+    holders = _holders(block, names)
+
+    def forward(*args, **kwargs):
+        if not (STEP.active and STEP.regions):
+            return own(*args, **kwargs)
+        if pairs and _written_apart(pairs):  # the template's trace would run with the template's values
+            return own(*args, **kwargs)
+        # the unsharded tensors that traced_forward's call_with put in place, as the region's inputs
+        tensors = tuple([held[key] for held, key in holders])
+        if pass_block:
+            return region(block, tensors, *args, **kwargs)
+        spec, operands = _flatten_call(tensors, args, kwargs)
+        return region(spec, *operands)
+
+    forward.fsdp_compile_region = region
+    forward.fsdp_compile_passes_block = pass_block  # blocks differ in an attribute: each traced as itself
+    forward.fsdp_compile_own_forward = own
+    return forward
+
+
+# A region call whose operands are all leaves (tensors, constants, modules), with no keyword arguments, is
+# fingerprinted by Dynamo without tracing pytree (``build_input_fingerprint``'s fast path): the pytree path
+# cost about 50 ms of tracing per block (16 layers, Dynamo's profiler). A template region's call (tensors,
+# positional arguments, keyword arguments whose values are leaves or tuples/lists of leaves) goes in flat,
+# its structure in ``spec``, a constant string (so part of the fingerprint, and of the reuse key); any other
+# call goes in as ``(tensors, args, kwargs)`` with ``spec`` None, through pytree's path. Not for blocks
+# passed in (``region_of``): on the fast path Dynamo (2.13) reused the first block's trace for blocks that
+# differ in a float attribute it read (``test_which_blocks_share_a_region``: wrong outputs), where the pytree
+# path traces each; a template region's blocks have equal attributes, and its reuse is keyed
+# (``_reuse_key``). On torch 2.13 pytree's path is cheap where the call is plain:
+# ``_invoke_subgraph._fingerprint`` gives its result without tracing pytree.
+
+_LEAVES = (torch.Tensor, bool, int, float, str, type(None))
+
+
+def _flatten_call(tensors: tuple, args: tuple, kwargs: dict) -> tuple:
+    """``(spec, operands)`` for the region call of one block (``_unflatten_call`` inverts it)."""
+    flat, parts = list(tensors), []
+    for key, value in [*(("*", a) for a in args), *kwargs.items()]:  # "*": positional
+        if isinstance(value, _LEAVES):  # inline: Dynamo traces every call of a helper
+            parts.append(key)
+            flat.append(value)
+        elif type(value) in (tuple, list) and all(isinstance(v, _LEAVES) for v in value):
+            parts.append(f"{key}:{type(value).__name__}:{len(value)}")
+            flat.extend(value)
+        else:
+            return None, (tensors, args, kwargs)
+    return "|".join(parts), tuple(flat)
+
+
+def _unflatten_call(spec: str | None, n: int, operands: tuple) -> tuple:
+    """``(tensors, args, kwargs)`` from ``_flatten_call``'s ``(spec, operands)``; ``n``: the block's tensors."""
+    if spec is None:
+        return operands
+    tensors, rest, args, kwargs = operands[:n], list(operands[n:]), [], {}
+    for part in spec.split("|") if spec else ():
+        key, _, kind = part.partition(":")
+        if kind:
+            container, _, size = kind.partition(":")
+            value = rest[: int(size)]
+            rest = rest[int(size):]
+            value = tuple(value) if container == "tuple" else list(value)
+        else:
+            value = rest.pop(0)
+        if key == "*":
+            args.append(value)
+        else:
+            kwargs[key] = value
+    return tensors, tuple(args), kwargs
+
+
+def _unique_code(fn, name: str):
+    """A copy of ``fn`` with its own code object: Dynamo keys compiled entries (and region reuse) by it."""
+    code = fn.__code__.replace(co_name=name, co_qualname=name)
+    return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
