@@ -15,9 +15,9 @@ from torch.utils._pytree import tree_flatten
 
 import torch.distributed as dist
 
-from fsdp_compile import _extensions, _fsdp2, capture
+from fsdp_compile import _cudagraphs, _extensions, _fsdp2, capture
 from fsdp_compile._agree import agree_max
-from fsdp_compile._gloo import warn_if_racy_gloo
+from fsdp_compile._torch._gloo import warn_if_racy_gloo
 from fsdp_compile.backend import CapturedGraphs, make_backend
 from fsdp_compile.config import CompileConfig
 from fsdp_compile.debug.dump import make_dump_dir
@@ -106,6 +106,10 @@ class CompiledFSDPModule(nn.Module):
         self._sinks: dict[str, torch.Tensor] = {}  # parameter FQN -> accumulation sink (no-sync micro-batches)
         self._meta = any(p.is_meta for p in model.parameters())  # explain's full-scale capture without memory
         self._attachment = capture.attach(model, plan)
+        self._watchdog: _cudagraphs.Watchdog | None = None  # cudagraphs=True with collectives: replays' deadlines
+        self._calls = 0
+        if config.cudagraphs:
+            _cudagraphs.mark_static(model.buffers())  # read in place by the graphs, not copied in at each replay
 
     def forward(self, *args, **kwargs):
         if not self._attachment.attached:
@@ -125,13 +129,55 @@ class CompiledFSDPModule(nn.Module):
         # AOTAutograd's activation-checkpointing path cannot save).
         # All-gather extensions' fsdp_pre_all_gather runs here too (_extensions.py says why).
         world_size = {p.fqn: g.world_size for g in step.plan.groups for p in g.params}
-        shards, extensions, key = _extensions.prepare(step.params, step.param_plans, lambda pp: world_size[pp.fqn])
+        # explain (no codegen, any device) marks the shards static too: its report says what a GPU run captures
+        replays = self.config.cudagraphs and self._codegen and self.plan.device.type == "cuda"
+        shards, extensions, key = _extensions.prepare(step.params, step.param_plans, lambda pp: world_size[pp.fqn],
+                                                      self.config.cudagraphs)
         sinks, accumulated = self._gradient_sync(step)
+        if replays:
+            self._arm_watchdog("the CUDA graphs replayed before this call of the compiled model")
         try:
             with capture.active(self.config.regions, self._attachment.loggers), _named_collective_failures():
-                return step.compiled(key)(shards, sinks, accumulated, extensions, *args, **kwargs)
+                out = step.compiled(key)(shards, sinks, accumulated, extensions, *args, **kwargs)
         finally:
             capture.flush_logs()
+        # a later replay overwrites the graphs' outputs: what the caller keeps is copied out of the pool
+        return _cudagraphs.copy_out(out) if replays else out
+
+    def _arm_watchdog(self, label: str) -> None:
+        """Before each call's replay: everything queued so far (the last step's backward graph) must finish
+        within the process groups' timeout (NCCL's watchdog does not see collectives replayed from a graph)."""
+        self._calls += 1
+        groups = [g for g in self.plan.process_groups() if g.size() > 1]
+        if not groups:  # no collective in the graphs: nothing can wait on a peer
+            return
+        if self._watchdog is None:
+            timeout = min(_cudagraphs.group_timeout(g) for g in groups).total_seconds()
+            self._watchdog = _cudagraphs.Watchdog(timeout, lambda what: self._on_timeout(what, groups))
+        event = torch.cuda.Event()
+        event.record()
+        self._watchdog.arm(event, f"{label} (call {self._calls})")
+
+    @staticmethod
+    def _on_timeout(what: str, groups) -> None:
+        import logging
+
+        logging.getLogger(__name__).error(
+            "fsdp_compile: %s did not finish within the process group's timeout; aborting its process groups", what)
+        _cudagraphs.abort_groups(groups)
+
+    def close(self) -> None:
+        """Free what ``cudagraphs=True`` holds: the CUDA graphs (all of torch's graph trees in this process)
+        and their memory pool, and the replay watchdog. Call it before ``dist.destroy_process_group()``: the
+        graphs hold the communicators they captured. A later call of the model records the graphs anew.
+        Nothing to do without ``cudagraphs``; idempotent."""
+        if self.config.cudagraphs and self.plan.device.type == "cuda" and self._codegen:
+            self._arm_watchdog("the CUDA graphs replayed before close()")  # a hung replay must not hang here
+            torch.cuda.synchronize()
+            _cudagraphs.release()
+        if self._watchdog is not None:
+            self._watchdog.stop()
+            self._watchdog = None
 
     def _current_step(self, args, kwargs) -> _Step:
         """The compiled step for FSDP2's current settings and parameters (a change takes effect here)."""
@@ -215,6 +261,8 @@ class CompiledFSDPModule(nn.Module):
             # a leaf of the parameter's full shape that owns one element: only its .grad holds memory
             sink = torch.empty_strided(pp.full_shape, (0,) * len(pp.full_shape), dtype=dtype, device=plan.device)
             self._sinks[pp.fqn] = sink.requires_grad_()
+            if self.config.cudagraphs:  # its gradient accumulates over replays: out of the graphs' pool first
+                sink.register_hook(torch.Tensor.clone)
         return sink
 
     def _plan_and_compile(self, args, kwargs, without_sync: frozenset = frozenset()) -> _Step:
@@ -370,6 +418,11 @@ def compile(model: nn.Module, config: CompileConfig | None = None, **overrides) 
                 "fsdp_compile.explain captures a meta model without memory"
             )
     config, plan = _prepare(model, config, overrides)
+    if config.cudagraphs and plan.device.type != "cuda":
+        raise ValueError(
+            f"cudagraphs=True replays CUDA graphs, but the model's parameters are on {plan.device}: leave cudagraphs "
+            "off there (fsdp_compile.explain(..., cudagraphs=True) still reports which graphs could be captured)"
+        )
     return CompiledFSDPModule(model, plan, config)
 
 

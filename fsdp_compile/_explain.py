@@ -84,6 +84,7 @@ def explain_with_graphs(model: nn.Module, example_args, example_kwargs, config: 
         regions=compiled.regions(),
         collectives_by_mesh_dim=collectives_by_mesh_dim(compiled.captured.forward + compiled.captured.backward, mesh_dims),
         mesh_dims=mesh_dims,
+        cudagraphs=[d.to_dict() for d in compiled.captured.cudagraphs],
     ), compiled.captured
 
 

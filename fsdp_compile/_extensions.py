@@ -147,13 +147,22 @@ class LocalShards(torch.autograd.Function):
     per parameter. A compiled step's backward returns every shard gradient at its end anyway, so one node
     for all of them delays none. On an H100's host (0.95B Llama, 147 parameters) ``to_local``, its backward
     and the ``from_local`` inside it took 3.8 + 4.8 + 5.6 ms of a profiled step; on the development machine
-    147 parameters' forward and backward take 4.1 ms this way against 9.1 (forward alone 0.30 against 1.03)."""
+    147 parameters' forward and backward take 4.1 ms this way against 9.1 (forward alone 0.30 against 1.03).
+
+    ``cudagraphs``: the step replays CUDA graphs (``_cudagraphs.py``). Each shard is then marked a static
+    input (its memory is the parameter's, updated in place by the optimizer: the graphs read it there
+    instead of copying it in at every replay), and each gradient is copied out of the graphs' pool, which
+    the next replay overwrites while ``.grad`` may still hold it (accumulation, ``zero_grad(set_to_none=False)``)."""
 
     @staticmethod
-    def forward(ctx, *params):
+    def forward(ctx, cudagraphs: bool, *params):
         ctx.specs = [p._spec for p in params]
+        ctx.copy_out = cudagraphs
         ctx.set_materialize_grads(False)
         locals_ = [p._local_tensor.view_as(p._local_tensor) for p in params]
+        if cudagraphs:
+            for t in locals_:  # _cudagraphs.mark_static (which imports this module)
+                t._dynamo_static_input_type = "unguarded"
         frozen = [t for t, p in zip(locals_, params) if not p.requires_grad]
         if frozen:  # as to_local of a parameter that needs no gradient: no gradient either
             ctx.mark_non_differentiable(*frozen)
@@ -175,8 +184,8 @@ class LocalShards(torch.autograd.Function):
                 if len(_GRAD_SPECS) >= 8192:  # parameters replaced many times over: start afresh
                     _GRAD_SPECS.clear()
                 _GRAD_SPECS[key] = kept
-            out.append(DTensor(grad.view_as(grad), kept[1], requires_grad=False))
-        return tuple(out)
+            out.append(DTensor(grad.clone() if ctx.copy_out else grad.view_as(grad), kept[1], requires_grad=False))
+        return (None, *out)
 
 
 # (id of the parameter's spec, gradient's shape, stride, dtype) -> (that spec, the gradient's DTensorSpec).
@@ -213,13 +222,14 @@ class Layout(NamedTuple):
 Key = tuple  # per unit: None (no extension) or, per parameter, None or its Layout
 
 
-def prepare(units_params: list[list], units_plans: list[list], world_size_of) -> tuple[list, list, Key]:
+def prepare(units_params: list[list], units_plans: list[list], world_size_of, cudagraphs: bool = False
+            ) -> tuple[list, list, Key]:
     """Per unit: the op's shard inputs (stand-ins for extension parameters), the extension tensors (per
     extension parameter: its local shard, detached, then its all-gather inputs, then its metadata's tensors),
-    and the key of the step they need."""
+    and the key of the step they need. ``cudagraphs``: ``LocalShards``'."""
     shards, tensors, key = [], [], []
     every = [p for params in units_params for p in params]
-    flat = LocalShards.apply(*every) if every else ()
+    flat = LocalShards.apply(cudagraphs, *every) if every else ()
     start = 0
     for params, plans in zip(units_params, units_plans):
         locals_ = flat[start : start + len(params)]

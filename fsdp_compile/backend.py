@@ -33,9 +33,11 @@ from torch._functorch._aot_autograd.utils import make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from fsdp_compile import _dtensor, _record_cache
+from fsdp_compile import _record_cache
+from fsdp_compile._cudagraphs import Decision, Gate, aot_eager_compiler, backward_static_inputs, forward_static_inputs
 from fsdp_compile._annotations import fsdp_meta
-from fsdp_compile._invoke_subgraph import (
+from fsdp_compile._torch import _dtensor
+from fsdp_compile._torch._invoke_subgraph import (
     region_aliases_patchable,
     region_outputs_alias_inputs,
     subgraphs_donate_nothing,
@@ -63,6 +65,7 @@ class CapturedGraphs:
     records: list[PassRecord] = dataclasses.field(default_factory=list)
     output_code: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (kind, Inductor's source)
     regions: list[RegionDecision] = dataclasses.field(default_factory=list)  # per region call of each Dynamo graph
+    cudagraphs: list[Decision] = dataclasses.field(default_factory=list)  # per graph, with cudagraphs=True
 
     def collectives(self, kind: str) -> dict[str, int]:
         """Collectives in every compiled ``kind`` ("forward" | "backward") graph so far, from the records:
@@ -144,6 +147,7 @@ def make_backend(
     hook = CompileHook(config.dump_dir)
     snapshot = readable if config.dump_dir or not codegen else None
     inductor = config.backend == "inductor" and codegen
+    gate = Gate(plan.device, captured.cudagraphs, warn=codegen) if config.cudagraphs else None
     moves_anything = any(
         u.issue_at != i or u.backward_issue_at != i or u.sink for i, u in enumerate(schedule.units)
     )
@@ -198,23 +202,37 @@ def make_backend(
             patches["reorder_for_peak_memory"] = False
             if config.dump_dir:
                 patches["fx_graph_cache"] = False  # a cache hit would skip the passes that write the dump
-            return _inductor(gm, example_inputs, patches, captured, hook, stored, use_aot_cache=not config.dump_dir)
+            if gate is not None:
+                patches["triton.cudagraphs"] = True
+            # AOTAutograd's cache would bring back graphs without asking the gate (_cudagraphs.py)
+            use_aot_cache = not config.dump_dir and gate is None
+            return _inductor(gm, example_inputs, patches, captured, hook, stored, use_aot_cache, gate)
         decompositions = DECOMPOSITIONS
         if config.backend == "inductor":
             decompositions = _decomp_table()
-        return _aot_eager(gm, example_inputs, reshard, on_graph, decompositions)
+        return _aot_eager(gm, example_inputs, reshard, on_graph, decompositions, gate, codegen)
 
     return backend
 
 
-def _aot_eager(gm, example_inputs, reshard, on_graph, decompositions):
+def _aot_eager(gm, example_inputs, reshard, on_graph, decompositions, gate: Gate | None, codegen: bool):
+    """``gate``: with cudagraphs=True, each graph replayed by torch's CUDA graph trees where it allows
+    (``explain``, ``codegen=False``: only the decision is recorded)."""
     def partition(joint, joint_inputs, **kwargs):
         tag_unshard_recompute(joint.graph, reshard)
         return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
+    forward_device = [None]  # the device index of the last captured forward, for its backward (torch's trees)
+
     def compiler(kind):
-        def compile_graph(g, _inputs):
-            on_graph(kind, g)
+        def compile_graph(g, inputs):
+            on_graph("backward" if kind == "backward" else "forward", g)
+            if gate is None:
+                return make_boxed_func(g.forward)
+            if codegen:
+                return aot_eager_compiler(kind, g, inputs, gate, forward_device)
+            static = backward_static_inputs(g) if kind == "backward" else forward_static_inputs()
+            gate.record(kind, gate.decide(kind, g, static))
             return make_boxed_func(g.forward)
 
         return compile_graph
@@ -222,6 +240,7 @@ def _aot_eager(gm, example_inputs, reshard, on_graph, decompositions):
     return aot_autograd(
         fw_compiler=compiler("forward"),
         bw_compiler=compiler("backward"),
+        inference_compiler=compiler("inference"),
         partition_fn=partition,
         decompositions=decompositions,
         keep_inference_input_mutations=True,
@@ -233,11 +252,14 @@ def _is_top_level(gm: torch.fx.GraphModule) -> bool:
     return any(fsdp_meta(n) is not None for n in gm.graph.nodes)
 
 
-def _inductor(gm, example_inputs, patches, captured, hook, stored: dict | None, use_aot_cache: bool):
+def _inductor(gm, example_inputs, patches, captured, hook, stored: dict | None, use_aot_cache: bool, gate: Gate | None):
     """``stored``: the records of an earlier compile of this graph (``_record_cache``), taken in place of
-    the ones our passes would write when a cache serves the compile."""
+    the ones our passes would write when a cache serves the compile. ``gate``: with cudagraphs=True, which
+    graphs Inductor's CUDA graph trees may capture (``triton.cudagraphs`` is on in ``patches``)."""
     from torch._dynamo.utils import counters
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+    from torch._inductor.output_code import maybe_handle_backward_generation
+    from torch._inductor.utils import BoxedBool
 
     def from_cache(kind: str) -> None:
         if stored and kind in stored:
@@ -255,9 +277,28 @@ def _inductor(gm, example_inputs, patches, captured, hook, stored: dict | None, 
         changes the graph, which the AOTAutograd cache's key would not see)."""
         kind = "backward" if kwargs.get("is_backward") else "forward"
         before = len(captured.records)
+        reasons = None
+        if gate is not None and _is_top_level(g):
+            graph_kind = "inference" if kwargs.get("is_inference") else kind
+            reasons = gate.decide(graph_kind, g, kwargs.get("static_input_idxs", ()))
+            if reasons and kind == "backward":  # its own flag: the forward's stays as it was decided
+                kwargs["cudagraphs"] = BoxedBool(False)
+            elif reasons:
+                BoxedBool.disable(kwargs["cudagraphs"])  # shared with its backward, which then runs uncaptured too
+        ours = bool(reasons)
         # torch gives a region's body its caller's donations, and frees a region's inputs that its outputs alias
         with subgraphs_donate_nothing(), region_outputs_alias_inputs():
             out = compile_fx_inner(g, *args, **kwargs)
+        if reasons is not None:
+            if not reasons and not kwargs["cudagraphs"]:  # Inductor declined it after our gate let it through
+                info = getattr(out, "cudagraph_info", None)
+                reasons = [getattr(out, "disabled_cudagraphs_reason", None)
+                           or "; ".join(getattr(info, "cudagraph_fail_reasons", None) or []) or "Inductor declined it"]
+            forward_device = kwargs.get("boxed_forward_device_index")
+            if ours and kind == "backward" and forward_device is not None and forward_device.value is not None:
+                # a captured forward's tree must know its backward runs (torch does this when it declines one)
+                maybe_handle_backward_generation(out, kwargs["boxed_forward_device_index"])
+            gate.record(graph_kind, reasons)
         if len(captured.records) == before and _is_top_level(g):  # the FX graph cache served it
             from_cache(kind)
         source = getattr(out, "source_code", None)

@@ -60,6 +60,16 @@ class CompileConfig:
     kernels: Kernels = "auto"
     """Copy-in/copy-out implementation: ``"triton"``, ``"torch"``, or ``"auto"`` (Triton on CUDA, torch elsewhere)."""
 
+    cudagraphs: bool = False
+    """Replay the compiled forward and backward as CUDA graphs (torch's CUDA graph trees: one memory pool, the
+    parameters' local shards and the modules' buffers as static inputs, NCCL collectives captured inside),
+    which takes the host's launch overhead out of the step. CUDA only. A graph that cannot be captured (a
+    tensor off the GPU, data-dependent sizes, dynamic shapes, ops torch cannot capture) runs uncaptured, with
+    a warning and the reason in ``explain``'s report (``passes/cudagraphs.py``). Outputs and gradients are
+    copied out of the graphs' memory, so they stay valid after the next step; a replay that runs past the
+    process group's timeout aborts the group (``_cudagraphs.py``). Call ``compiled.close()`` before
+    ``destroy_process_group``. Off by default until measured on more than one GPU model (docs/gpu.md)."""
+
     dump_dir: str | None = None
     """Write every stage's graphs and the schedule report here; defaults to ``$FSDP_COMPILE_DUMP``. Checked
     here for the common mistakes; created by ``compile`` and ``explain`` (``debug.dump.make_dump_dir``)."""
@@ -68,7 +78,7 @@ class CompileConfig:
         _check_choice("backend", self.backend, Backend, "fsdp_compile runs its passes before either")
         _check_choice("hardware", self.hardware, Hardware, "the cost model's profiles; 'auto' picks by device")
         _check_choice("kernels", self.kernels, Kernels, "the copy-in/copy-out implementation")
-        for name in ("reorder", "regions"):
+        for name in ("reorder", "regions", "cudagraphs"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {_shown(getattr(self, name))}")
         if isinstance(self.bucket, str):

@@ -45,6 +45,8 @@ class Report:
     # per mesh dim (FSDP's shard dim, HSDP's replicate dim, TP/EP dims), forward + backward: {kind: count}
     collectives_by_mesh_dim: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
     mesh_dims: dict[str, str] = dataclasses.field(default_factory=dict)  # process group name -> its mesh dim (timeline lanes)
+    # with cudagraphs=True, per compiled graph: {"kind", "index", "captured": bool, "reason": None | why not}
+    cudagraphs: list[dict] = dataclasses.field(default_factory=list)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
@@ -72,6 +74,8 @@ class Report:
               for dim, counts in self.collectives_by_mesh_dim.items()),
             *(f"- repeated blocks {_blocks(r['blocks'])}: "
               + ("one compiled region" if r["region"] else f"compiled inline: {r['why']}") for r in self.regions),
+            *(f"- CUDA graph, {d['kind']} graph {d['index']}: "
+              + ("captured" if d["captured"] else f"runs uncaptured: {d['reason']}") for d in self.cudagraphs),
             "",
             "| unit | FSDP modules | parameters | unsharded MiB | issued at (forward) | issued at (backward) | RS waits after |",
             "|---|---|---|---|---|---|---|",

@@ -41,6 +41,7 @@ class Case:
     offload: bool = False  # CPUOffloadPolicy(pin_memory=False) on every FSDP module
     replicate: int = 1  # > 1: a (replicate, world/replicate) mesh, HSDP (= world: FSDP1's NO_SHARD)
     ignored: bool = False  # the root's norm weight in ignored_params: not sharded, its gradient not reduced
+    cudagraphs: bool = False  # CompileConfig.cudagraphs (CUDA only: tests/test_cuda.py)
 
     @property
     def name(self) -> str:
@@ -58,6 +59,8 @@ class Case:
             parts.append(f"hsdp{self.replicate}")
         if self.ignored:
             parts.append("ignored")
+        if self.cudagraphs:
+            parts.append("cudagraphs")
         return "-".join(parts)
 
 
@@ -147,7 +150,8 @@ def run_case(case: Case, rank: int, world_size: int) -> dict:
         variants["inline"] = False
     models = {name: build(case) for name in variants}
     compiled = {
-        name: fc.compile(models[name], backend=case.backend, bucket=case.bucket, reorder=case.reorder, regions=regions)
+        name: fc.compile(models[name], backend=case.backend, bucket=case.bucket, reorder=case.reorder, regions=regions,
+                         cudagraphs=case.cudagraphs)
         for name, regions in variants.items()
     }
     opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-2)
@@ -201,6 +205,9 @@ def run_case(case: Case, rank: int, world_size: int) -> dict:
     out["graph_hash"] = hashlib.sha256(
         "".join(g.code for g in comp.captured.forward + comp.captured.backward).encode()
     ).hexdigest()
+    out["cudagraphs"] = [d.to_dict() for d in comp.captured.cudagraphs]
+    for c in compiled.values():
+        c.close()  # before the process group goes: the CUDA graphs hold its communicators
     return out
 
 

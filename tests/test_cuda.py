@@ -430,3 +430,126 @@ def test_compiled_step_equals_eager_eight_nccl_ranks(monkeypatch):
     monkeypatch.setenv("NCCL_MAX_NCHANNELS", "1")
     cases = [*BITWISE, INDUCTOR]
     check_nccl(run_nccl_ranks(nccl_worker, 8, cases), cases)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# (d) CompileConfig(cudagraphs=True): the compiled step replayed from CUDA graphs (torch's graph trees)
+#     against eager FSDP2, bitwise under aot_eager (the graphs replay the same aten kernels); gradient
+#     accumulation over micro-batches (each replay's gradients accumulated into .grad, the first
+#     micro-batch's loss read after the second's replay); every graph captured, and replayed more often
+#     than recorded.
+
+CUDAGRAPH_CASES = [
+    Case(cudagraphs=True),
+    Case(mp="bf16", accum=2, cudagraphs=True),
+    Case(mp="bf16", bucket="auto", reorder=True, n_layers=3, cudagraphs=True),
+    Case(backend="inductor", cudagraphs=True),
+]
+
+
+def cudagraph_worker(rank, world_size, cases):
+    from unittest import mock
+
+    from torch._inductor.cudagraph_trees import CUDAGraphTreeManager
+
+    counts = {"recorded": 0, "replayed": 0}
+    record, execute = CUDAGraphTreeManager.record_function, CUDAGraphTreeManager.execute_node
+
+    def counted(name, real):
+        def wrapper(self, *args, **kwargs):
+            counts[name] += 1
+            return real(self, *args, **kwargs)
+
+        return wrapper
+
+    with mock.patch.object(CUDAGraphTreeManager, "record_function", counted("recorded", record)), \
+            mock.patch.object(CUDAGraphTreeManager, "execute_node", counted("replayed", execute)):
+        out = nccl_worker_parity(rank, world_size, cases)
+    return {"parity": out, "counts": counts}
+
+
+def nccl_worker_parity(rank, world_size, cases):
+    """``nccl_worker``'s parity part alone."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cuda.enable_flash_sdp(False)
+    torch.backends.cuda.enable_mem_efficient_sdp(False)
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    import parity
+
+    cpu_batch = parity.batch
+    parity.batch = lambda case, step, r: cpu_batch(case, step, r).cuda()
+    return parity.parity_worker(rank, world_size, cases)
+
+
+@pytest.mark.skipif(GPUS > 0 and not dist.is_nccl_available(), reason="this torch build has no NCCL")
+def test_cudagraphs_step_equals_eager_one_nccl_rank():
+    (r,) = run_nccl_ranks(cudagraph_worker, 1, CUDAGRAPH_CASES)
+    for case in CUDAGRAPH_CASES:
+        c = r["parity"][case.name]
+        assert c["graph_breaks"] == 0 and c["dynamo_graphs"] == 1, (case.name, c)
+        assert c["cudagraphs"] and all(d["captured"] for d in c["cudagraphs"]), (case.name, c["cudagraphs"])
+        if case.backend == "aot_eager":
+            assert c["loss_compiled"] == c["loss_eager"], (case.name, c["loss_eager"], c["loss_compiled"])
+            assert max(c["grad_diff"]) == 0.0 and max(c["param_diff"]) == 0.0, (case.name, c)
+        else:
+            diffs = [abs(a - b) for a, b in zip(c["loss_eager"], c["loss_compiled"])]
+            assert max(diffs) < INDUCTOR_LOSS_TOL, (case.name, diffs)
+            assert max(c["grad_diff"]) < INDUCTOR_TENSOR_TOL and max(c["param_diff"]) < INDUCTOR_TENSOR_TOL, (case.name, c)
+    assert r["counts"]["replayed"] > r["counts"]["recorded"] > 0, r["counts"]
+
+
+def _capture_collectives(rank, world_size):
+    """Functional collectives on an NCCL group, captured in a CUDA graph and replayed: what the graphs of
+    cudagraphs=True hold on more than one rank."""
+    c10d = torch.ops._c10d_functional
+    group = dist.group.WORLD.group_name
+    x = torch.arange(8, dtype=torch.float32, device="cuda") + rank
+
+    def step(t):
+        gathered = c10d.wait_tensor(c10d.all_gather_into_tensor(t, world_size, group))
+        reduced = c10d.wait_tensor(c10d.reduce_scatter_tensor(gathered * 2, "sum", world_size, group))
+        return gathered, reduced
+
+    eager = step(x)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step(x)  # warm-up on the capture stream
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(graph):
+        captured = step(x)
+    x.add_(1)
+    graph.replay()
+    torch.cuda.synchronize()
+    expected = step(x)
+    return [bool(torch.equal(a, b)) for a, b in zip(captured, expected)] + [bool(not torch.equal(eager[0], expected[0]))]
+
+
+@pytest.mark.skipif(GPUS > 0 and not dist.is_nccl_available(), reason="this torch build has no NCCL")
+def test_functional_collectives_replay_from_a_cuda_graph():
+    assert run_nccl_ranks(_capture_collectives, 1) == [[True, True, True]]
+
+
+def test_watchdog_aborts_a_replay_past_its_deadline():
+    """A CUDA event that completes late (a sleeping kernel standing in for a peer that never answers)."""
+    import threading
+
+    from fsdp_compile import _cudagraphs
+
+    fired = []
+    done = threading.Event()
+    dog = _cudagraphs.Watchdog(0.2, lambda what: (fired.append(what), done.set()), poll=0.01)
+    try:
+        torch.cuda._sleep(int(2e9))  # about a second on an H100
+        event = torch.cuda.Event()
+        event.record()
+        dog.arm(event, "a slow replay")
+        assert done.wait(10) and fired == ["a slow replay"]
+        torch.cuda.synchronize()
+        with pytest.raises(RuntimeError, match="did not finish within the process group's timeout"):
+            dog.check()
+    finally:
+        dog.stop()

@@ -150,7 +150,7 @@ def test_local_shards_are_to_local_in_one_autograd_node():
                           [torch.randn(3, 4), torch.randn(5), torch.randn(4, 4)]):
                 results = []
                 for batched in (False, True, True):
-                    locals_ = LocalShards.apply(*params) if batched else [p.to_local() for p in params]
+                    locals_ = LocalShards.apply(False, *params) if batched else [p.to_local() for p in params]
                     assert [t.requires_grad for t in locals_] == [True, True, True, False]
                     assert all(torch.equal(t, p._local_tensor) and t.data_ptr() == p._local_tensor.data_ptr() for t, p in zip(locals_, params))
                     if batched:
@@ -172,5 +172,5 @@ def test_local_shards_are_to_local_in_one_autograd_node():
         spec = DTensorSpec(later, (Shard(0),), tensor_meta=TensorMeta(torch.Size((12, 4)), (4, 1), torch.float32))
         params = [DTensor(torch.randn(3, 4), spec, requires_grad=True)]
         assert params[0]._spec.mesh is later
-        (grad,) = torch.autograd.grad(LocalShards.apply(*params), params, [torch.randn(3, 4)])
+        (grad,) = torch.autograd.grad(LocalShards.apply(False, *params), params, [torch.randn(3, 4)])
         assert grad._spec.mesh is later
