@@ -23,6 +23,8 @@ Variants (each its own model from the same seed, AdamW, the same batches):
   fc                fsdp_compile.compile(model): the default (bucket="auto", reorder=True, regions)
   comm-only         fc's collectives alone, no compute (CommOnly says how): with compute-only, the floors
                     of a step where the ranks share their cores with gloo (CPU), printed after the table
+  fc:cudagraphs     fc with CompileConfig(cudagraphs=True): forward and backward replayed as CUDA graphs
+                    (CUDA only; skipped elsewhere)
   fc:fsdp_group     one collective per FSDP module, where eager FSDP2 issues them (reorder=False)
   fc:no-regions     the default without regions (every block compiled on its own)
   simplefsdp        a peer, when torchtitan is importable: torchtitan's SimpleFSDP (graph_trainer's
@@ -162,9 +164,11 @@ def compile_simple_fsdp(model: torch.nn.Module, model_name: str, backend: str):
 
 
 # The variants, in the order they run (each its own model; the module docstring says what each is)
-VARIANTS = ["eager", "torch.compile", "compute-only", "fc", "comm-only", "fc:fsdp_group", "fc:no-regions", "simplefsdp"]
+VARIANTS = ["eager", "torch.compile", "compute-only", "fc", "comm-only", "fc:cudagraphs", "fc:fsdp_group", "fc:no-regions",
+            "simplefsdp"]
 FLOAT8_VARIANTS = ["eager", "eager:float8-ag", "torch.compile", "compute-only", "fc", "fc:no-regions", "fc:float8-ag"]
-FC_OVERRIDES = {"fc:fsdp_group": dict(bucket="fsdp_group", reorder=False), "fc:no-regions": dict(regions=False)}
+FC_OVERRIDES = {"fc:fsdp_group": dict(bucket="fsdp_group", reorder=False), "fc:no-regions": dict(regions=False),
+                "fc:cudagraphs": dict(cudagraphs=True)}
 SHARD_WITH = {"compute-only": False, "simplefsdp": "simplefsdp"}  # build()'s ``sharded`` (default: fully_shard)
 
 
@@ -397,6 +401,9 @@ def main():
         if why:
             skipped["simplefsdp"] = why
             names = [n for n in names if n != "simplefsdp"]
+    if "fc:cudagraphs" in names and device.type != "cuda":
+        names.remove("fc:cudagraphs")
+        skipped["fc:cudagraphs"] = "CUDA graphs: CUDA only"
     if "comm-only" in names and (args.tp > 1 or "fc" not in names):
         names.remove("comm-only")
         skipped["comm-only"] = "replays the fc variant's FSDP collectives: needs fc, and no --tp (TP's would count too)"
@@ -563,6 +570,10 @@ def main():
             "ms per step",
         )
         say(f"wrote {args.out}/{stem}.json and .png")
+    for v in variants:  # fc:cudagraphs' graphs hold the communicators: freed before the process group
+        close = getattr(getattr(v, "runner", None), "close", None)
+        if close is not None:
+            close()
     dist.destroy_process_group()
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything fsdp-compile checks and measures on NVIDIA GPUs, in one command, for whoever has them:
 #
-#     bash bench/gpu.sh [--quick]
+#     bash bench/gpu.sh [--quick] [--parts tests,kernels,step,profile] [--no-traces]
 #
 #   1. pytest -m cuda tests: the four Triton copy kernels bitwise against their torch references on the
 #      GPU (fp32/bf16/fp16, every src/dst pair, uneven shards), and the compiled step against eager FSDP2
@@ -9,14 +9,17 @@
 #   2. bench/kernels.py --device cuda: the kernels' GB/s against copy_ and FSDP2's own copy ops
 #                                                                       -> bench/results/gpu_kernels.json
 #   3. bench/compiled_vs_eager.py on a 0.95B Llama (bf16 mixed precision, 2 x 2048 tokens per rank):
-#      step time, peak memory and first-step (compile) time of eager FSDP2, torch.compile and fc, on
-#      1 GPU and, with 8 or more, on 8 (torchrun)          -> bench/results/gpu_step_llama-1b_w{1,8}.json
-#   4. bench/profile_step.py on 1 GPU: host and device time per bucket, Chrome traces
+#      step time, peak memory and first-step (compile) time of eager FSDP2, torch.compile, fc, fc with
+#      CUDA graphs and the compute-only bound, on 1 GPU and, with 8 or more, on 8 (torchrun)
+#                                                          -> bench/results/gpu_step_llama-1b_w{1,8}.json
+#   4. bench/profile_step.py on 1 GPU: host and device time per bucket (GPU idle), Chrome traces
 #                                                  -> bench/results/gpu_profile_llama-1b.json, traces_llama-1b/
 #
 # Every JSON names the GPU (torch.cuda.get_device_name), the GPU count and the torch/CUDA/Triton versions.
 # --quick: fewer kernel repeats, the tiny model and 10 steps (a few minutes; a check that it all runs).
-# Environment: PYTHON (default python3), RESULTS (default bench/results). Logs: $RESULTS/gpu_*.log.
+# --parts: which of the four to run, comma-separated (default: all). --no-traces: no Chrome traces in 4.
+# Environment: PYTHON (default python3), RESULTS (default bench/results), PROFILE_VARIANTS (4.'s variants, default
+# "eager torch.compile fc fc:cudagraphs compute-only"). Logs: $RESULTS/gpu_*.log.
 # Exits 2 without a usable GPU (nothing run), 1 if a step failed (the later steps still run), else 0.
 set -euo pipefail
 
@@ -24,13 +27,25 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PYTHON=${PYTHON:-python3}
 RESULTS=${RESULTS:-bench/results}
 QUICK=0
-for arg in "$@"; do
-    case "$arg" in
+PARTS=tests,kernels,step,profile
+TRACES=1
+while [ $# -gt 0 ]; do
+    case "$1" in
         --quick) QUICK=1 ;;
-        -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
-        *) echo "bench/gpu.sh: unknown argument '$arg' (usage: bash bench/gpu.sh [--quick])" >&2; exit 2 ;;
+        --no-traces) TRACES=0 ;;
+        --parts) PARTS=${2:?--parts needs a list, e.g. --parts tests,step}; shift ;;
+        -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+        *) echo "bench/gpu.sh: unknown argument '$1' (usage: bash bench/gpu.sh [--quick] [--parts LIST] [--no-traces])" >&2; exit 2 ;;
+    esac
+    shift
+done
+for part in ${PARTS//,/ }; do
+    case "$part" in
+        tests|kernels|step|profile) ;;
+        *) echo "bench/gpu.sh: unknown part '$part' in --parts (choose from tests,kernels,step,profile)" >&2; exit 2 ;;
     esac
 done
+want() { [[ ",$PARTS," == *",$1,"* ]]; }
 
 if ! "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; then
     if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
@@ -70,6 +85,7 @@ run() {  # run NAME LOG COMMAND...: the command's output to the terminal and LOG
 #    collected; one that cannot import here (a missing optional dependency) does not stop the cuda tests.
 XML=$(mktemp --suffix .xml)
 trap 'rm -f "$XML"' EXIT
+if want tests; then
 run "pytest -m cuda tests" "$RESULTS/gpu_tests.log" \
     "$PYTHON" -m pytest -m cuda tests -p no:cacheprovider -q --continue-on-collection-errors --junitxml "$XML"
 if ! "$PYTHON" - "$XML" "$RESULTS/gpu_tests.json" <<'EOF'
@@ -94,21 +110,24 @@ EOF
 then
     FAILED+=("gpu_tests.json (no JUnit XML from pytest?)")
 fi
+fi
 
 # 2. Kernel bandwidth.
 KERNEL_ARGS=()
 [ "$QUICK" = 1 ] && KERNEL_ARGS=(--repeats 5 --warmup 2)
-run "bench/kernels.py --device cuda" "$RESULTS/gpu_kernels.log" \
+want kernels && run "bench/kernels.py --device cuda" "$RESULTS/gpu_kernels.log" \
     "$PYTHON" bench/kernels.py --device cuda --out "$RESULTS/gpu_kernels.json" ${KERNEL_ARGS[@]+"${KERNEL_ARGS[@]}"}
 
 # 3. Step time: one GPU, then eight (one node) where there are eight.
-STEP_ARGS=(--device cuda --model llama-1b --mp bf16 --batch 2 --variants torch.compile fc --out "$RESULTS")
+VARIANTS=(torch.compile fc fc:cudagraphs compute-only)  # eager always runs first
+STEP_ARGS=(--device cuda --model llama-1b --mp bf16 --batch 2 --variants "${VARIANTS[@]}" --out "$RESULTS")
 MODEL=llama-1b
 if [ "$QUICK" = 1 ]; then
-    STEP_ARGS=(--device cuda --quick --variants torch.compile fc --out "$RESULTS")
+    STEP_ARGS=(--device cuda --quick --variants "${VARIANTS[@]}" --out "$RESULTS")
     MODEL=tiny
 fi
 for W in 1 8; do
+    want step || break
     if [ "$GPUS" -lt "$W" ]; then
         echo
         echo "== step benchmark on $W GPUs: skipped, $GPUS GPU(s) here"
@@ -123,9 +142,10 @@ done
 #    compute-only bound, and each variant's Chrome trace (bench/profile_step.py).
 PROFILE_ARGS=(--model llama-1b --mp bf16 --batch 2)
 [ "$QUICK" = 1 ] && PROFILE_ARGS=(--model tiny --mp bf16)
-run "bench/profile_step.py on 1 GPU" "$RESULTS/gpu_profile_$MODEL.log" \
+[ "$TRACES" = 1 ] && PROFILE_ARGS+=(--trace-dir "$RESULTS/traces_$MODEL")
+want profile && run "bench/profile_step.py on 1 GPU" "$RESULTS/gpu_profile_$MODEL.log" \
     "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node 1 bench/profile_step.py "${PROFILE_ARGS[@]}" \
-    --variants eager torch.compile fc compute-only --out "$RESULTS" --stem "gpu_profile_$MODEL" --trace-dir "$RESULTS/traces_$MODEL"
+    --variants ${PROFILE_VARIANTS:-eager torch.compile fc fc:cudagraphs compute-only} --out "$RESULTS" --stem "gpu_profile_$MODEL"
 
 echo
 if [ "${#FAILED[@]}" -gt 0 ]; then
