@@ -12,6 +12,10 @@ and its backward is ``reduce_scatter_grads(grads, ...)``::
       -> _c10d_functional.reduce_scatter_tensor(avg | sum) -> wait_tensor
       -> unpack (this rank's unpadded rows, post-divide, cast to the parameter's dtype)
 
+On one rank (world size 1, or a 1-wide shard dimension of a 2-D mesh) neither gathers nor copies, as FSDP2
+issues no collective there: each parameter is its shard or one cast of it, each shard gradient its
+unsharded gradient with FSDP2's casts and divides (``_one_rank``); HSDP's all-reduce stays.
+
 Both are opaque to Dynamo (one node per FSDP group in the Dynamo graph, where the group structure is
 still visible) and decomposed by AOTAutograd through ``DECOMPOSITIONS`` into the functional collectives
 above, so the joint/forward/backward graphs hold plain ``_c10d_functional`` ops that Inductor and our
@@ -37,6 +41,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from fsdp_compile import _one_rank as one_rank  # registers own_copy, as K its ops
 from fsdp_compile import kernels as K  # registers the copy ops: a graph from the compile caches calls them untraced
 from fsdp_compile._annotations import REDUCE_SCATTER, UNSHARD, annotate
 from fsdp_compile._layout import padded_rows, rank_rows
@@ -184,6 +189,8 @@ def unshard_impl(shards: list[Tensor], args: UnshardArgs, payloads: Sequence[Ten
     with annotate(UNSHARD, c.fsdp_groups, c.unit):
         if any(args.payloads):  # all-gather extensions: torch ops (the Triton copy kernels take parameters only)
             return _unshard_payloads(shards, args, payloads)
+        if c.world_size == 1:  # one rank: each parameter is its shard, or its cast
+            return [one_rank.param(s, args.param_dtype) for s in shards]
         full_shapes = [(d, *s.shape[1:]) for s, d in zip(shards, args.dim0s)]
         # The copies on either side of a collective are ops (fsdp_compile.kernels), a Triton launch or their
         # torch reference (FSDP2's own copies), here and in reduce_scatter_grads_impl. Traced as torch ops (a
@@ -200,11 +207,7 @@ def unshard_impl(shards: list[Tensor], args: UnshardArgs, payloads: Sequence[Ten
 
 
 def _all_gather(flat: Tensor, c) -> Tensor:
-    """All-gather and wait; on one rank none, as FSDP2's eager unshard (its copy-in buffer is the gathered one,
-    and the reduce-scatter is skipped likewise): an all-gather there is a device copy, of every parameter,
-    twice a step with resharding."""
-    if c.world_size == 1:
-        return flat
+    """All-gather and wait (more than one rank: one rank gathers nothing, see ``_one_rank``)."""
     return _c10d.wait_tensor(_c10d.all_gather_into_tensor(flat, c.world_size, c.group_name))
 
 
@@ -215,6 +218,8 @@ def _unshard_payloads(shards: Sequence[Tensor], args: UnshardArgs, payloads: Seq
     returns its gathered inputs (each ``[W * rows, *rest]``, FSDP2's unflatten) and a stride-0 handle of the
     parameter's shape, whose gradient (``_extensions.Attach``) the backward reduce-scatters."""
     c, world_size = args.comm, args.comm.world_size
+    if world_size == 1:  # nothing to gather: each input as it is (_one_rank.payloads)
+        return one_rank.payloads(shards, args, payloads)
     pieces, kinds, it = [], [], iter(payloads)
     for shard, d, n in zip(shards, args.dim0s, args.payloads):
         if n == 0:
@@ -237,7 +242,7 @@ def _unshard_payloads(shards: Sequence[Tensor], args: UnshardArgs, payloads: Seq
             size = flats[k].numel()
             chunk = per_rank[:, offset : offset + size].reshape(-1)
             if packed:
-                chunk = (chunk if world_size > 1 else chunk.clone()).view(piece.dtype)  # aligned, its own memory
+                chunk = chunk.view(piece.dtype)  # the reshape of a slice of [W > 1, -1] copied it: aligned
             if n == 0:
                 tail, rows = kind
                 full = chunk.view(world_size * padded_rows(rows, world_size), *tail)
@@ -255,18 +260,22 @@ def reduce_scatter_grads_impl(grads: list[Tensor], args: ReduceScatterArgs) -> l
     """pack -> reduce-scatter -> wait -> unpack, with FSDP2's divide factors, annotated like the unshard."""
     c, r = args.comm, args.reduction
     with annotate(REDUCE_SCATTER, c.fsdp_groups, c.unit):
+        if c.world_size == 1 and r.all_reduce_group is None:  # one rank (_one_rank)
+            return [one_rank.grad(g, r, args.orig_dtype) for g in grads]
         packed = K.reduce_scatter_copy_in(grads, c.world_size, dtype=r.dtype, impl=c.kernels)  # unshard_impl says why an op
         op = r.op
-        if op == "premul_sum":  # NCCL's PREMUL_SUM: scale each input, then sum
+        if op == "premul_sum" and c.world_size == 1:  # HSDP on a one-rank shard dim: FSDP2 divides (_one_rank.grad)
+            packed, op = packed / (1.0 / r.pre_factor), "sum"
+        elif op == "premul_sum":  # NCCL's PREMUL_SUM: scale each input, then sum
             packed, op = packed * r.pre_factor, "sum"
-        elif r.pre_factor is not None:
+        elif r.pre_factor is not None and r.pre_factor != 1:  # FSDP2's _div_if_needed: no divide by 1
             packed = packed / r.pre_factor
-        # one rank: nothing to reduce, and the packed buffer is already this rank's (a clone here was a copy of
-        # every gradient per step under aot_eager; Inductor drops such a clone as a no-op)
+        # one rank (HSDP's 1-wide shard dim; without HSDP _one_rank.grad): the packed buffer is already this
+        # rank's, and it is all-reduced as it is
         reduced = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(packed, op, c.world_size, c.group_name)) if c.world_size > 1 else packed
         if r.all_reduce_group is not None:  # HSDP: then across the replicas, as FSDP2's foreach_reduce
             reduced = _c10d.wait_tensor(_c10d.all_reduce(reduced, r.all_reduce_op, r.all_reduce_group))
-        if r.post_factor is not None:
+        if r.post_factor is not None and r.post_factor != 1:
             reduced = reduced / r.post_factor
         full_shapes = [tuple(g.shape) for g in grads]
         rank = _rank_of_rows([g.shape[0] for g in grads], args.local_rows, c.world_size)

@@ -118,20 +118,6 @@ def test_args_are_one_named_string():
     assert ReduceScatterArgs.decode(rs.encode()) == rs
 
 
-@pytest.mark.parametrize("mp", [None, "bf16"])
-def test_one_rank_issues_no_collective(gloo_world_1, mp):
-    """On one rank FSDP2's eager unshard all-gathers nothing (its copy-in buffer is the gathered one) and
-    its reduce-scatter is skipped likewise: the compiled step has no collective either, and trains as eager
-    FSDP2 does, bitwise (on a GPU the all-gather was a device copy of every parameter, twice a step)."""
-    import parity
-
-    case = parity.Case(mp=mp, bucket="auto", reorder=True, steps=2)
-    r = parity.run_case(case, 0, 1)
-    assert r["forward"] == r["backward"] == {"all_gathers": 0, "reduce_scatters": 0, "all_reduces": 0}, r
-    assert r["loss_compiled"] == r["loss_eager"], r
-    assert max(r["grad_diff"]) == 0.0 and max(r["param_diff"]) == 0.0, r
-
-
 @pytest.mark.inductor
 def test_regions_under_inductor_two_layers(gloo_world_1):
     """fsdp_compile.models' default Llama (2 layers) on one rank, one step, Inductor with regions: every
