@@ -9,8 +9,10 @@
 #
 # Then `bash bench/gpu.sh` (or any of its steps) runs with torch 2.13 there. The machine must hold Python 3.12
 # with the CUDA 13 libraries torch loads (its nvidia-* packages: cuBLAS, cuDNN, NCCL, ...), xz and gcc.
-# The stubs are never called by fsdp_compile (suspend/resume, symmetric-memory signals, memory stats): a call
-# would return ncclInvalidUsage. Packing takes about 10 minutes on 2 cores (521 MB of pieces).
+# A call of the device tool removes the ignored paths it does not carry: move each piece out of the checkout
+# (e.g. `mkdir -p /tmp/p && mv .gpu/piece_* /tmp/p/`) in the call that brings it, then unpack /tmp/p.
+# The stubs are never called by fsdp_compile (suspend/resume, symmetric-memory signals, memory stats): a
+# call would return ncclInvalidUsage. Packing takes 10 to 40 minutes on 2 cores (521 MB of pieces).
 
 _gpu_setup_pack() {
     local out=${1:?usage: bash bench/gpu_setup.sh pack OUT_DIR [PIECE_MB]} mb=${2:-58} tmp
@@ -30,6 +32,8 @@ _gpu_setup_unpack() {
     if [ ! -f /tmp/site/torch/__init__.py ]; then
         rm -rf /tmp/site && mkdir -p /tmp/site
         cat "$pieces"/piece_* | xz -d -T0 | tar x -C /tmp/site || return 1
+        # python -m zipfile drops file modes: Triton's ptxas, cuobjdump and nvdisasm must be executable
+        chmod +x /tmp/site/triton/backends/nvidia/bin/* || return 1
     fi
     export PYTHONPATH=/tmp/site:$PWD
     # Stub what the machine's NCCL lacks, one symbol at a time as the import names it.
