@@ -30,7 +30,7 @@ from torch.distributed.distributed_c10d import _get_process_group_store
 _PREFIX = "fsdp_compile/agree"
 _FIX = (
     "every rank must call fsdp_compile.compile(model) and then the compiled model for every step, together "
-    "(README: Troubleshooting)"
+    "(docs/troubleshooting.md)"
 )
 
 

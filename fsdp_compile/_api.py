@@ -357,8 +357,7 @@ def _named_collective_failures():
         raise RuntimeError(
             f"fsdp_compile: a collective of the compiled step failed on rank {dist.get_rank()} ({first}). The "
             "ranks most likely diverged: every rank must call the compiled model for every step, with the same "
-            "model and config, and none may have stopped; the first rank to fail says why (README: "
-            "Troubleshooting)"
+            "model and config, and none may have stopped; the first rank to fail says why (docs/troubleshooting.md)"
         ) from e
 
 

@@ -13,9 +13,9 @@ _ONE_WORKER = ("test_cli.py",)
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist's ``--dist loadgroup`` (the README's test command): every test that starts
     processes of its own (``multirank``: real gloo ranks, 2 to 4 of them) is in one group, so one worker
-    runs them one rank group at a time while the other worker runs the single-process tests beside them.
-    On this machine's 2 cores: 682-809 s for the suite, against 1097 s in one process and 1285 s with rank
-    groups of two files side by side (4 to 8 ranks). Without xdist the markers do nothing."""
+    runs them one rank group at a time while the other worker runs the single-process tests beside them:
+    on 2 cores the rank groups are the longest path, and two of them side by side (4 to 8 ranks on 2 cores)
+    took longer than one after the other (CI's log has the times). Without xdist the markers do nothing."""
     for item in items:
         if item.get_closest_marker("multirank") is not None:
             item.add_marker(pytest.mark.xdist_group("ranks"))
