@@ -118,6 +118,23 @@ def test_one_rank_has_no_copies_under_inductor(gloo_world_1, compiled_models, no
     check_graphs(compiled, len(list(compiled.parameters())), cast=False)
 
 
+def test_one_rank_accumulation_without_sync(gloo_world_1, compiled_models):
+    """``set_requires_gradient_sync(False)`` for three micro-batches, then one that syncs, on one rank in bf16
+    (FSDP2 keeps the unsharded gradients in the reduce dtype): bitwise as eager FSDP2, and neither the
+    no-sync nor the syncing step's graphs copy anything."""
+    from test_options_multirank import accumulation_worker
+
+    r = accumulation_worker(0, 1, mp="bf16")
+    assert all(le == lc for le, lc in r["losses"]), r["losses"]
+    assert max(r["grad_diff"]) == 0.0 and max(r["param_diff"]) == 0.0, r
+    assert all(r["none_after_no_sync"]) and r["dynamo_graphs"] == 2, r
+    (compiled,) = compiled_models
+    assert len(compiled.captured.backward) == 2
+    for gm in compiled.captured.forward + compiled.captured.backward:
+        ts = targets(gm)
+        assert not COPY_OPS & set(ts) and ts[torch.ops.aten.cat.default] == 0 and ts[_ops.own_copy.default] == 0, ts
+
+
 # --- shard gradients own their memory -------------------------------------------------------------------
 
 
