@@ -36,7 +36,9 @@ constants. ``fsdp_post_all_gather`` is never called with ``out=``: each step bui
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
+import operator
 from typing import NamedTuple
 
 import torch
@@ -152,12 +154,19 @@ class LocalShards(torch.autograd.Function):
     ``cudagraphs``: the step replays CUDA graphs (``_cudagraphs.py``). Each shard is then marked a static
     input (its memory is the parameter's, updated in place by the optimizer: the graphs read it there
     instead of copying it in at every replay), and each gradient is copied out of the graphs' pool, which
-    the next replay overwrites while ``.grad`` may still hold it (accumulation, ``zero_grad(set_to_none=False)``)."""
+    the next replay overwrites while ``.grad`` may still hold it (accumulation, ``zero_grad(set_to_none=False)``).
+
+    A parameter passed more than once (several FSDP parameters share it: ``plan._own_places``) gets its
+    gradients added in FSDP2's order, the first FSDP parameter's first, onto what ``.grad`` holds already
+    (eager's ``grad._local_tensor += reduced`` per FSDP parameter): all but the last are added to ``.grad``
+    here, the last one by autograd's accumulation (``(g + a) + b``, where returning ``a + b`` would give
+    ``g + (a + b)``); without a ``.grad``, their sum is returned."""
 
     @staticmethod
     def forward(ctx, cudagraphs: bool, *params):
         ctx.specs = [p._spec for p in params]
         ctx.copy_out = cudagraphs
+        ctx.shared = _shared(params)
         ctx.set_materialize_grads(False)
         locals_ = [p._local_tensor.view_as(p._local_tensor) for p in params]
         if cudagraphs:
@@ -185,7 +194,30 @@ class LocalShards(torch.autograd.Function):
                     _GRAD_SPECS.clear()
                 _GRAD_SPECS[key] = kept
             out.append(DTensor(grad.clone() if ctx.copy_out else grad.view_as(grad), kept[1], requires_grad=False))
+        for param, indices in ctx.shared:
+            grads = [out[i] for i in indices if out[i] is not None]
+            for i in indices:
+                out[i] = None
+            if not grads:
+                continue
+            if param.grad is None:
+                out[indices[0]] = functools.reduce(operator.add, grads)
+                continue
+            with torch.no_grad():
+                for grad in grads[:-1]:
+                    param.grad.add_(grad)
+            out[indices[0]] = grads[-1]
         return (None, *out)
+
+
+def _shared(params) -> list[tuple[Tensor, list[int]]]:
+    """Each parameter passed more than once, with the positions it was passed at."""
+    if len({id(p) for p in params}) == len(params):
+        return []
+    at: dict[int, list[int]] = {}
+    for i, p in enumerate(params):
+        at.setdefault(id(p), []).append(i)
+    return [(params[indices[0]], indices) for indices in at.values() if len(indices) > 1]
 
 
 # (id of the parameter's spec, gradient's shape, stride, dtype) -> (that spec, the gradient's DTensorSpec).

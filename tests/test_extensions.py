@@ -174,3 +174,27 @@ def test_local_shards_are_to_local_in_one_autograd_node():
         assert params[0]._spec.mesh is later
         (grad,) = torch.autograd.grad(LocalShards.apply(False, *params), params, [torch.randn(3, 4)])
         assert grad._spec.mesh is later
+
+
+def test_local_shards_add_a_shared_parameters_gradients_in_fsdp2s_order():
+    """A parameter passed twice (two FSDP parameters share it: a tie made after fully_shard) gets its two
+    gradients added as eager FSDP2 adds them, one after the other onto ``.grad``: ``(g + a) + b``, not
+    ``g + (a + b)``, which rounds otherwise (1 + 2^-24 + 2^-24: 1.0 one way, 1 + 2^-23 the other);
+    without a ``.grad``, ``a + b``. Each other parameter's gradient is its own."""
+    from torch.distributed.tensor import DTensor, Shard, init_device_mesh
+
+    from fsdp_compile._extensions import LocalShards
+
+    with fake_process_group(2):
+        mesh = init_device_mesh("cpu", (2,))
+        tied, other = (torch.nn.Parameter(DTensor.from_local(torch.zeros(2), mesh, [Shard(0)], run_check=False))
+                       for _ in range(2))
+        a, b = torch.full((2,), 2.0**-24), torch.full((2,), 2.0**-24)
+        for before, expected in ((None, 2.0**-23), (1.0, 1.0)):
+            tied.grad = None if before is None else DTensor.from_local(torch.full((2,), before), mesh, [Shard(0)])
+            other.grad = None
+            shards = LocalShards.apply(False, tied, other, tied)
+            torch.autograd.backward(shards, [a, torch.ones(2), b])
+            assert torch.equal(tied.grad.to_local(), torch.full((2,), expected)), (before, tied.grad)
+            assert torch.equal(other.grad.to_local(), torch.ones(2))
+        assert (1.0 + (2.0**-24 + 2.0**-24)) != expected  # the other order
