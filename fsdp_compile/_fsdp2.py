@@ -143,6 +143,38 @@ def composable_checkpoint(module: nn.Module) -> bool:
     return "checkpoint" in (_get_registry(module) or {})
 
 
+_CHECKPOINT_HOOKS = ("torch.distributed._composable.checkpoint_activation", "checkpoint.<locals>.forward_pre_hook",
+                     "checkpoint.<locals>.forward_hook")
+
+
+def composable_checkpoint_hooks(module: nn.Module) -> tuple[dict, list[tuple[dict, int]]]:
+    """What ``torch.distributed._composable.checkpoint(module, **kwargs)`` installed on ``module``: the
+    ``torch.utils.checkpoint.checkpoint`` keyword arguments it was called with (read from its forward
+    pre-hook's closure) and its two hooks, ``(hook dict, hook id)``, pre-hook first."""
+    import inspect
+
+    where, pre_name, post_name = _CHECKPOINT_HOOKS
+    found, kwargs = [], None
+    for hooks, name in ((module._forward_pre_hooks, pre_name), (module._forward_hooks, post_name)):
+        for hook_id, hook in hooks.items():
+            hook = getattr(hook, "fsdp_hook", hook)  # the original behind our dispatcher
+            if getattr(hook, "__module__", None) == where and getattr(hook, "__qualname__", None) == name:
+                found.append((hooks, hook_id))
+                if name == pre_name:
+                    cells = inspect.getclosurevars(hook).nonlocals
+                    kwargs = {key: cells[key] for key in ("preserve_rng_state", "determinism_check", "debug")
+                              if key in cells}
+                    if cells.get("user_context_fns") is not None:
+                        kwargs["context_fn"] = cells["user_context_fns"]
+    if len(found) != 2 or kwargs is None or len(kwargs) < 3:
+        raise FSDP2Changed(
+            f"fsdp_compile reads the hooks of torch.distributed._composable.checkpoint, which torch "
+            f"{torch.__version__} installs otherwise: fsdp_compile is tested with torch {_TESTED}; {_INSTALL}, or "
+            "wrap the block with checkpoint_wrapper instead"
+        )
+    return kwargs, found
+
+
 # --- parameter groups: runtime settings, layout, what is in flight -----------------------------------
 
 

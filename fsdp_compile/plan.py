@@ -291,22 +291,7 @@ def check_ranks_agree(plan: ShardingPlan, config_items: list[tuple[str, object]]
             )
 
 
-def _check_composable_checkpoint(model: nn.Module) -> None:
-    """``torch.distributed._composable.checkpoint(block)`` runs its recompute from forward hooks that
-    Dynamo refuses to trace (``_checkpoint_without_reentrant_generator`` is marked skipped; plain
-    ``torch.compile(fullgraph=True)`` fails the same way): refused here, naming the traceable forms."""
-    for name, module in model.named_modules():
-        if _fsdp2.composable_checkpoint(module):
-            raise NotImplementedError(
-                f"module {name or '<root>'!r} is checkpointed with torch.distributed._composable.checkpoint, "
-                "whose hooks torch.compile cannot trace: wrap the block with checkpoint_wrapper "
-                "(torch.distributed.algorithms._checkpoint.checkpoint_wrapper) before fully_shard, or call "
-                "torch.utils.checkpoint.checkpoint(block, ..., use_reentrant=False) in its parent's forward"
-            )
-
-
 def read_plan(model: nn.Module) -> ShardingPlan:
-    _check_composable_checkpoint(model)
     lazy_init(model)
     canonical = {}
     for name, p in model.named_parameters():  # remove_duplicate=True: tied params keep one FQN

@@ -136,7 +136,8 @@ class PatternBlock(nn.Module):
 class Patterns(nn.Module):
     """Embedding, two blocks of one ``pattern``, norm, head. Patterns: ``rope_complex``, ``moe``,
     ``dropout_ckpt`` (the root calls ``torch.utils.checkpoint`` on each block), ``dropout_cw`` (each block is
-    wrapped by ``checkpoint_wrapper`` before ``fully_shard``, torchtitan's order)."""
+    wrapped by ``checkpoint_wrapper`` before ``fully_shard``, torchtitan's order), ``dropout_composable`` (each
+    block checkpointed by ``torch.distributed._composable.checkpoint`` before ``fully_shard``)."""
 
     def __init__(self, pattern: str, n_layers: int = 2, dim: int = 32, vocab: int = 256, max_seq: int = 64):
         super().__init__()
@@ -147,6 +148,11 @@ class Patterns(nn.Module):
             from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
             self.layers = nn.ModuleList(checkpoint_wrapper(b) for b in self.layers)
+        if pattern == "dropout_composable":
+            from torch.distributed._composable import checkpoint as composable_checkpoint
+
+            for b in self.layers:
+                composable_checkpoint(b)
         self.norm = RMSNorm(dim)
         self.output = nn.Linear(dim, vocab, bias=False)
         angles = torch.outer(torch.arange(max_seq).float(), 1.0 / 10000.0 ** (torch.arange(0, 8, 2).float() / 8))

@@ -15,7 +15,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from models import FrozenBuffers, Llama, LlamaArgs, OddMLP, Patterns, shard
 
-PATTERNS = ("rope_complex", "moe", "dropout_ckpt", "dropout_cw")  # models.Patterns
+PATTERNS = ("rope_complex", "moe", "dropout_ckpt", "dropout_cw", "dropout_composable")  # models.Patterns
 
 MP = {
     None: None,

@@ -50,16 +50,6 @@ def meta_llama():
         return llama()
 
 
-def composable_checkpoint_llama():
-    from torch.distributed._composable import checkpoint
-
-    torch.manual_seed(0)
-    m = Llama(LlamaArgs(n_layers=2))
-    for block in m.layers:
-        checkpoint(block)
-    return shard(m, m.layers)
-
-
 def tensor_parallel_block():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
@@ -185,8 +175,6 @@ ROWS = [
     ("some parameters on meta", compile_(partly_meta_llama), ValueError, r"parameters are still on the meta device \(e.g. 'layers.1\."),
     ("int reshard_after_forward with tensor parallel", compile_(tensor_parallel_block), NotImplementedError,
      r"reshard_after_forward=2 \(an int\) with parameter '0.weight' a DTensor .*FSDP2 itself does not support"),
-    ("composable checkpoint", compile_(composable_checkpoint_llama), NotImplementedError,
-     r"'layers.0' is checkpointed with torch.distributed._composable.checkpoint.*checkpoint_wrapper .*torch.utils.checkpoint.checkpoint"),
     ("dp_mesh_dims", compile_(spmd_mesh_llama), NotImplementedError, r"dp_mesh_dims=\.\.\.\) .*pass the data-parallel mesh"),
     ("Shard(1) placements", compile_(shard_dim_1), NotImplementedError, r"only Shard\(0\) placements"),
     ("offload on an accelerator", compile_(offloaded_on_accelerator), NotImplementedError,

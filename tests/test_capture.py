@@ -168,6 +168,34 @@ def test_reshard_false_saves_unsharded_params():
     assert report.backward["all_gathers"] == 0 and report.reduce_scatters == 3
 
 
+def test_composable_checkpoint_recomputes():
+    """torch.distributed._composable.checkpoint per block: inside the compiled step each block runs under
+    torch.utils.checkpoint (its hooks do nothing there), so the forward saves fewer tensors and the backward
+    recomputes the block's matmuls; detach gives its hooks back."""
+    from torch.distributed._composable import checkpoint
+
+    saved, matmuls = {}, {}
+    with fake_process_group(2):
+        for ckpt in (False, True):
+            torch.manual_seed(0)
+            m = Llama(LlamaArgs(n_layers=1))
+            hooks = []
+            if ckpt:
+                for b in m.layers:
+                    checkpoint(b)
+                hooks = [dict(b._forward_pre_hooks) for b in m.layers]
+            compiled = fc.compile(shard(m, m.layers), config=EAGER_LIKE)
+            compiled(tokens()).float().sum().backward()
+            (out,) = [n for n in compiled.captured.forward[0].graph.nodes if n.op == "output"]
+            saved[ckpt] = len(out.args[0])
+            matmuls[ckpt] = sum(n.target is torch.ops.aten.mm.default for n in compiled.captured.backward[0].graph.nodes)
+            compiled.detach()
+            for b, before in zip(m.layers, hooks):
+                assert {k: v for k, v in b._forward_pre_hooks.items() if k in before} == before
+                assert "forward" not in b.__dict__
+    assert saved[True] < saved[False] and matmuls[True] > matmuls[False], (saved, matmuls)
+
+
 @pytest.mark.slow
 def test_many_compiled_models_in_one_process():
     """Each compiled model has its own Dynamo cache entry: no recompile-limit eviction across models (more

@@ -5,6 +5,8 @@ attribute gives.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -62,6 +64,13 @@ def test_composable_checkpoint(fake4):
     m = Llama(LlamaArgs(n_layers=2))
     checkpoint(m.layers[0])
     assert _fsdp2.composable_checkpoint(m.layers[0]) and not _fsdp2.composable_checkpoint(m.layers[1])
+    kwargs, hooks = _fsdp2.composable_checkpoint_hooks(m.layers[0])
+    assert kwargs == {"preserve_rng_state": True, "determinism_check": "default", "debug": False}
+    assert [held is m.layers[0]._forward_pre_hooks for held, _ in hooks] == [True, False]
+    context = lambda: (contextlib.nullcontext(), contextlib.nullcontext())  # noqa: E731
+    checkpoint(m.layers[1], preserve_rng_state=False, context_fn=context)
+    kwargs, _ = _fsdp2.composable_checkpoint_hooks(m.layers[1])
+    assert kwargs["preserve_rng_state"] is False and kwargs["context_fn"] is context
 
 
 def test_lazy_init_and_param_groups(fake4):

@@ -90,7 +90,8 @@ def test_which_patterns_are_regions(results_2):
     around a region, are compiled inline, and the report says why."""
     from fsdp_compile.passes.regions import MUTATES_INPUT, RANDOM_UNDER_CHECKPOINT
 
-    expected = {"rope_complex": None, "dropout_cw": None, "moe": MUTATES_INPUT, "dropout_ckpt": RANDOM_UNDER_CHECKPOINT}
+    expected = {"rope_complex": None, "dropout_cw": None, "moe": MUTATES_INPUT, "dropout_ckpt": RANDOM_UNDER_CHECKPOINT,
+                "dropout_composable": RANDOM_UNDER_CHECKPOINT}  # its checkpoint wraps the region call
     for pattern, why in expected.items():
         regions = results_2[0][Case(model=pattern, bucket="auto", reorder=True).name]["regions"]
         assert regions == [{"blocks": ["layers.0", "layers.1"], "region": why is None, "why": why}], (pattern, regions)

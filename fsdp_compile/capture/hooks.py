@@ -12,12 +12,19 @@ hook id, by a dispatcher:
 
 The parameters come from ``forward.traced_forward`` instead. ``attach`` installs the dispatchers, the
 repeated blocks' regions (``regions.py``) and the model's logger stand-ins, once per model.
+
+``torch.distributed._composable.checkpoint(block)`` runs its recompute from two forward hooks that Dynamo
+cannot trace (``_checkpoint_without_reentrant_generator`` is skipped). Inside our step its hooks are
+dispatched to nothing and the block's forward runs under ``torch.utils.checkpoint.checkpoint(...,
+use_reentrant=False)`` with the keyword arguments it was given: the recompute ``checkpoint_wrapper`` does
+(``install_checkpoints``); outside, its hooks run unchanged.
 """
 
 from __future__ import annotations
 
 import weakref
 
+import torch
 import torch.nn as nn
 
 from fsdp_compile import _fsdp2
@@ -53,6 +60,51 @@ def _make_post_hook(state, fsdp_hook):
 
     fsdp_compile_post_forward.fsdp_hook = fsdp_hook
     return fsdp_compile_post_forward
+
+
+def _dispatch_in_step(hook, inside):
+    """A hook that calls ``hook`` outside our compiled step and ``inside`` within it (``fsdp_hook``: ``hook``)."""
+    def fsdp_compile_hook(*args):
+        return inside(*args) if STEP.active else hook(*args)
+
+    fsdp_compile_hook.fsdp_hook = hook
+    return fsdp_compile_hook
+
+
+def install_checkpoint_hooks(model: nn.Module) -> list:
+    """Every ``torch.distributed._composable.checkpoint``'s hooks dispatched to nothing inside our step (see
+    the module docstring), before the regions (a block with hooks of its own is not made one); returns
+    ``(hook dict, hook id, dispatcher)`` per swap, as ``install_hooks`` does."""
+    swapped = []
+    for _, module in model.named_modules():
+        if _fsdp2.composable_checkpoint(module):
+            for held, hook_id in _fsdp2.composable_checkpoint_hooks(module)[1]:
+                if not hasattr(held[hook_id], "fsdp_hook"):
+                    held[hook_id] = _dispatch_in_step(held[hook_id], lambda *args: None)
+                    swapped.append((held, hook_id, held[hook_id]))
+    return swapped
+
+
+def install_checkpoint_forwards(model: nn.Module) -> list:
+    """Inside our step, every ``torch.distributed._composable.checkpoint``'d module's forward runs under
+    ``torch.utils.checkpoint.checkpoint`` with its keyword arguments; returns ``(module, its previous instance
+    forward or None, ours)`` per module, as ``install_regions`` does. After the regions: a repeated block's
+    checkpoint wraps its region call (``passes/regions.py`` inlines it where that would differ)."""
+    forwards = []
+    for _, module in model.named_modules():
+        if not _fsdp2.composable_checkpoint(module):
+            continue
+        kwargs = _fsdp2.composable_checkpoint_hooks(module)[0]
+        inner = module.forward  # its class's, or its region's (installed first)
+
+        def forward(*args, _inner=inner, _ckpt=kwargs, **kw):
+            if not STEP.active:
+                return _inner(*args, **kw)
+            return torch.utils.checkpoint.checkpoint(_inner, *args, use_reentrant=False, **_ckpt, **kw)
+
+        forwards.append((module, module.__dict__.get("forward"), forward))
+        module.forward = forward
+    return forwards
 
 
 def _wraps(hook, fn) -> bool:
@@ -120,7 +172,7 @@ class Attachment:
         for hooks, hook_id, dispatcher in installed.hooks:
             if hooks.get(hook_id) is dispatcher:
                 hooks[hook_id] = dispatcher.fsdp_hook
-        for block, previous, ours in installed.forwards:
+        for block, previous, ours in reversed(installed.forwards):  # a checkpoint's forward wraps a region's
             if block.__dict__.get("forward") is ours:
                 if previous is None:
                     del block.forward
@@ -140,8 +192,9 @@ def attach(model: nn.Module, plan: ShardingPlan) -> Attachment:
     """Install (once per model) what the compiled step needs on ``model``; see ``Attachment``."""
     installed = _INSTALLED.get(model)
     if installed is None:
-        hooks = install_hooks(model)
+        hooks = install_hooks(model) + install_checkpoint_hooks(model)
         repeated, forwards = install_regions(model, plan)
+        forwards += install_checkpoint_forwards(model)
         installed = _INSTALLED[model] = _Installed(hooks, repeated, forwards, install_logging(model))
     installed.users += 1
     return Attachment(model, installed)
