@@ -102,6 +102,7 @@ class CompiledFSDPModule(nn.Module):
         self._codegen = codegen
         self._groups = param_groups(model)  # [(fqn, FSDP state, param group)]: FSDP2's runtime settings
         self._settings: tuple = ()  # ((fqn, _fsdp2.Settings), ...) as read at the current call
+        self._plan_settings = settings_key(self._groups)  # ... as they were when self.plan was read
         self._steps: dict[tuple, _Step] = {}  # per plan: FSDP2's settings other than gradient sync
         self._sinks: dict[str, torch.Tensor] = {}  # parameter FQN -> accumulation sink (no-sync micro-batches)
         self._meta = any(p.is_meta for p in model.parameters())  # explain's full-scale capture without memory
@@ -208,8 +209,8 @@ class CompiledFSDPModule(nn.Module):
         plan_key = (tuple((fqn, settings.without_sync_flags()) for fqn, settings in key), without_sync if mixed else None)
         step = self._steps.get(plan_key)
         if step is None:
-            if self._steps:  # a setting changed since the last plan: read it again (refuses what we cannot do)
-                self.plan = read_plan(self._orig_mod)
+            if self._steps or key != self._plan_settings:  # a setting changed since the plan was read (refuses
+                self.plan, self._plan_settings = read_plan(self._orig_mod), key  # what we cannot do)
             step = self._steps[plan_key] = self._plan_and_compile(args, kwargs, without_sync if mixed else frozenset())
         elif not step.current():
             # parameters replaced (load_state_dict(assign=True), to_empty, ...): FSDP2's own references too

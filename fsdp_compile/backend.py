@@ -160,6 +160,7 @@ def make_backend(
             return
         graphs = getattr(captured, kind)
         record = run_passes(gm, kind, len(graphs), schedule, cost_model, snapshot=snapshot)
+        check_unshard_in_backward(plan, record)
         captured.records.append(record)
         graphs.append(gm)
         hook.passes(record)
@@ -206,13 +207,32 @@ def make_backend(
                 patches["triton.cudagraphs"] = True
             # AOTAutograd's cache would bring back graphs without asking the gate (_cudagraphs.py)
             use_aot_cache = not config.dump_dir and gate is None
-            return _inductor(gm, example_inputs, patches, captured, hook, stored, use_aot_cache, gate)
+            return _inductor(gm, example_inputs, patches, captured, hook, stored, use_aot_cache, gate, plan)
         decompositions = DECOMPOSITIONS
         if config.backend == "inductor":
             decompositions = _decomp_table()
         return _aot_eager(gm, example_inputs, reshard, on_graph, decompositions, gate, codegen)
 
     return backend
+
+
+def check_unshard_in_backward(plan: ShardingPlan, record: PassRecord) -> None:
+    """FSDP2's ``set_unshard_in_backward(False)`` promises that a module's backward does not need its
+    parameters: FSDP2 then does not re-gather them, and a backward that needs them fails in eager (it reads
+    the freed unsharded storage: "setStorage: ... out of bounds for storage of size 0"). The compiled backward
+    re-gathers a unit only where it needs it, so the setting holds by itself wherever eager can train; a
+    backward graph that re-gathers such a module is refused, naming it."""
+    off = {g.fqn for g in plan.groups if not g.unshard_in_backward}
+    if record.kind != "backward" or not off:
+        return
+    for bucket in record.buckets:
+        needed = [f for f in bucket["groups"] if f in off] if bucket["kind"] == "all_gather" else []
+        if needed:
+            raise NotImplementedError(
+                f"FSDP module {needed[0] or '<root>'!r} has set_unshard_in_backward(False), but its backward needs "
+                "its parameters (eager FSDP2 does not re-gather them and fails reading their freed storage): call "
+                "set_unshard_in_backward(True) on it, or shard it with reshard_after_forward=False"
+            )
 
 
 def _aot_eager(gm, example_inputs, reshard, on_graph, decompositions, gate: Gate | None, codegen: bool):
@@ -252,7 +272,8 @@ def _is_top_level(gm: torch.fx.GraphModule) -> bool:
     return any(fsdp_meta(n) is not None for n in gm.graph.nodes)
 
 
-def _inductor(gm, example_inputs, patches, captured, hook, stored: dict | None, use_aot_cache: bool, gate: Gate | None):
+def _inductor(gm, example_inputs, patches, captured, hook, stored: dict | None, use_aot_cache: bool, gate: Gate | None,
+              plan: ShardingPlan):
     """``stored``: the records of an earlier compile of this graph (``_record_cache``), taken in place of
     the ones our passes would write when a cache serves the compile. ``gate``: with cudagraphs=True, which
     graphs Inductor's CUDA graph trees may capture (``triton.cudagraphs`` is on in ``patches``)."""
@@ -263,7 +284,9 @@ def _inductor(gm, example_inputs, patches, captured, hook, stored: dict | None, 
 
     def from_cache(kind: str) -> None:
         if stored and kind in stored:
-            captured.records.append(PassRecord(**{**stored[kind], "index": sum(r.kind == kind for r in captured.records)}))
+            record = PassRecord(**{**stored[kind], "index": sum(r.kind == kind for r in captured.records)})
+            check_unshard_in_backward(plan, record)
+            captured.records.append(record)
         else:
             warnings.warn(
                 f"fsdp_compile: a cache served this {kind} graph but our passes' record of it is missing (was "

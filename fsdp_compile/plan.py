@@ -57,6 +57,7 @@ class BucketKey(NamedTuple):
     replicate_group: str | None  # HSDP
     all_reduce_op: str  # HSDP
     post_forward_group: str | None  # an int reshard_after_forward's post-forward group
+    unshard_in_backward: bool = True  # set_unshard_in_backward: a unit is re-gathered in backward for all or none
     requires_gradient_sync: bool | None = None  # set only while it differs between modules (bucket="auto")
 
 
@@ -83,6 +84,9 @@ class GroupPlan:
     post_forward_size: int = 0
     forward_prefetch: tuple[str, ...] = ()  # FSDP2's set_modules_to_forward_prefetch: FQNs gathered at our pre-forward
     backward_prefetch: tuple[str, ...] = ()  # ... set_modules_to_backward_prefetch
+    # set_unshard_in_backward(False): its backward must not need its parameters (FSDP2 does not re-gather them;
+    # a backward graph that re-gathers them is refused, backend.py)
+    unshard_in_backward: bool = True
     mesh_dims: tuple[str, ...] = ("dp", "replicate")  # the FSDP mesh's names of its shard and replicate dims
     # a module holding other FSDP modules (the root): its parameters registered before theirs (an embedding),
     # which its forward uses before them; the rest (a final norm, an output head) it uses after them
@@ -111,7 +115,8 @@ class GroupPlan:
         """Groups with equal keys can share one all-gather and one reduce-scatter."""
         return BucketKey(self.group_name, self.world_size, self.reshard_after_forward, self.params[0].orig_dtype,
                          self.param_dtype, self.reduce_dtype, self.reduce_op, self.pre_factor, self.post_factor,
-                         self.replicate_group_name, self.all_reduce_op, self.post_forward_group_name)
+                         self.replicate_group_name, self.all_reduce_op, self.post_forward_group_name,
+                         self.unshard_in_backward)
 
 
 def _padded_numel(shape: tuple[int, ...], world_size: int) -> int:
@@ -133,6 +138,7 @@ class ShardingPlan:
              "param_dtype": str(g.param_dtype), "reduce_dtype": str(g.reduce_dtype), "reduce_op": g.reduce_op,
              "pre_factor": g.pre_factor, "post_factor": g.post_factor, "replicate_size": g.replicate_size,
              "all_reduce_op": g.all_reduce_op, "post_forward_size": g.post_forward_size,
+             "unshard_in_backward": g.unshard_in_backward,
              "forward_prefetch": list(g.forward_prefetch), "backward_prefetch": list(g.backward_prefetch),
              "leading": list(g.leading),
              "params": [{"fqn": p.fqn, "shape": list(p.full_shape), "dtype": str(p.orig_dtype),
@@ -215,7 +221,8 @@ def lazy_init(model: nn.Module) -> None:
 # * honored: set_requires_gradient_sync (a mode of the compiled step: no reduce-scatter, unsharded gradients
 #   accumulated as FSDP2 does), set_reshard_after_forward, set_modules_to_forward_prefetch,
 #   set_modules_to_backward_prefetch, set_gradient_divide_factor, set_reduce_scatter_divide_factor,
-#   set_force_sum_reduction_for_comms (read into a new plan and schedule);
+#   set_force_sum_reduction_for_comms (read into a new plan and schedule), set_unshard_in_backward(False) (the
+#   compiled backward re-gathers only parameters it needs: refused where it needs that module's, backend.py);
 # * nothing to do under compile (no work of a compiled step is in flight when it returns, and its
 #   collectives run after whatever the caller issued before): set_is_last_backward, set_post_optim_event;
 # * refused, naming the setter (``_unsupported_settings``): the rest, when set away from FSDP2's default.
@@ -228,8 +235,6 @@ def _unsupported_settings(settings: Settings, hsdp: bool) -> list[tuple[str, str
         out.append(("set_reshard_after_backward(False)", "keeps the parameters unsharded after backward"))
     if hsdp and not settings.requires_all_reduce:
         out.append(("set_requires_all_reduce(False)", "defers HSDP's all-reduce (partial reductions)"))
-    if not settings.unshard_in_backward:
-        out.append(("set_unshard_in_backward(False)", "skips the re-gather in backward"))
     if settings.reduce_scatter_unused_params:
         out.append(("set_reduce_scatter_unused_params(True)", "reduce-scatters zeros for unused parameters"))
     if settings.reduce_scatter_max_input_buffers != 1:
@@ -442,6 +447,7 @@ def _read_group(fqn: str, layout: _fsdp2.Layout, settings: Settings, canonical: 
         group_name=group.group_name,
         world_size=world_size,
         reshard_after_forward=settings.reshard_after_forward,
+        unshard_in_backward=settings.unshard_in_backward,
         param_dtype=param_dtype,
         reduce_dtype=reduce_dtype,
         reduce_op=reduce_op_name,
