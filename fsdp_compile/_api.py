@@ -105,6 +105,7 @@ class CompiledFSDPModule(nn.Module):
         self._plan_settings = settings_key(self._groups)  # ... as they were when self.plan was read
         self._steps: dict[tuple, _Step] = {}  # per plan: FSDP2's settings other than gradient sync
         self._sinks: dict[str, torch.Tensor] = {}  # parameter FQN -> accumulation sink (no-sync micro-batches)
+        self._partials: dict[str, torch.Tensor] = {}  # ... its HSDP partial sink (micro-batches without all-reduce)
         self._meta = any(p.is_meta for p in model.parameters())  # explain's full-scale capture without memory
         self._attachment = capture.attach(model, plan)
         self._watchdog: _cudagraphs.Watchdog | None = None  # cudagraphs=True with collectives: replays' deadlines
@@ -134,12 +135,12 @@ class CompiledFSDPModule(nn.Module):
         replays = self.config.cudagraphs and self._codegen and self.plan.device.type == "cuda"
         shards, extensions, key = _extensions.prepare(step.params, step.param_plans, lambda pp: world_size[pp.fqn],
                                                       self.config.cudagraphs)
-        sinks, accumulated = self._gradient_sync(step)
+        sinks, accumulated, partials = self._gradient_sync(step)
         if replays:
             self._arm_watchdog("the CUDA graphs replayed before this call of the compiled model")
         try:
             with capture.active(self.config.regions, self._attachment.loggers), _named_collective_failures():
-                out = step.compiled(key)(shards, sinks, accumulated, extensions, *args, **kwargs)
+                out = step.compiled(key)(shards, sinks, accumulated, partials, extensions, *args, **kwargs)
         finally:
             capture.flush_logs()
         # a later replay overwrites the graphs' outputs: what the caller keeps is copied out of the pool
@@ -200,18 +201,21 @@ class CompiledFSDPModule(nn.Module):
         # is planned anew, with buckets that split along it (an explicit plan is the user's: _gradient_sync).
         # Modules that still hold gradients accumulated without sync count as without: the step that syncs
         # them keeps the split, so each unit's accumulated gradients are all there or all absent.
+        # HSDP without all-reduce (set_requires_all_reduce(False)) is a third mode, split along the same way.
         pending = {fqn for fqn, sink in self._sinks.items() if sink.grad is not None}  # parameter FQNs
-        without_sync = frozenset(
-            fqn for fqn, settings in key
-            if not settings.requires_gradient_sync or (pending and any(p.fqn in pending for p in self.plan.group(fqn).params))
-        )
-        mixed = self.config.bucket == "auto" and 0 < len(without_sync) < len(self._groups)
-        plan_key = (tuple((fqn, settings.without_sync_flags()) for fqn, settings in key), without_sync if mixed else None)
+        groups = {fqn: self.plan.group(fqn) for fqn, _ in key}
+        modes = {
+            fqn: "no_sync" if not s.requires_gradient_sync or any(p.fqn in pending for p in groups[fqn].params)
+            else "sync" if s.requires_all_reduce or not groups[fqn].replicate_group_name else "no_all_reduce"
+            for fqn, s in key
+        }
+        mixed = tuple(sorted(modes.items())) if self.config.bucket == "auto" and len(set(modes.values())) > 1 else None
+        plan_key = (tuple((fqn, settings.without_sync_flags()) for fqn, settings in key), mixed)
         step = self._steps.get(plan_key)
         if step is None:
             if self._steps or key != self._plan_settings:  # a setting changed since the plan was read (refuses
                 self.plan, self._plan_settings = read_plan(self._orig_mod), key  # what we cannot do)
-            step = self._steps[plan_key] = self._plan_and_compile(args, kwargs, without_sync if mixed else frozenset())
+            step = self._steps[plan_key] = self._plan_and_compile(args, kwargs, dict(mixed or ()))
         elif not step.current():
             # parameters replaced (load_state_dict(assign=True), to_empty, ...): FSDP2's own references too
             for _, _, pg in self._groups:
@@ -226,47 +230,55 @@ class CompiledFSDPModule(nn.Module):
         self.schedule = step.schedule
         return step
 
-    def _gradient_sync(self, step: _Step) -> tuple[list, list]:
+    def _gradient_sync(self, step: _Step) -> tuple[list, list, list]:
         """Per unit: sinks for the unsharded gradients (FSDP2's set_requires_gradient_sync(False): no
         reduce-scatter, gradients accumulated unsharded) or, when it syncs, the gradients accumulated so
-        far (consumed by this step's reduce-scatter, so forgotten here)."""
-        reduce_grads = {fqn: settings.requires_gradient_sync for fqn, settings in self._settings}
-        sinks, accumulated = [], []
+        far (consumed by this step's reduce-scatter, so forgotten here); and HSDP's (partial sinks, partials):
+        without all-reduce (set_requires_all_reduce(False)) sinks for the reduce-scattered rows, with it the
+        rows accumulated so far (consumed by this step's all-reduce)."""
+        flags_of = {fqn: (s.requires_gradient_sync, s.requires_all_reduce or not step.plan.group(fqn).replicate_group_name)
+                    for fqn, s in self._settings}
+        sinks, accumulated, partials = [], [], []
         for unit, params, plans in zip(step.schedule.units, step.params, step.param_plans):
-            flags = {reduce_grads[f] for f in unit.members}
+            flags = {flags_of[f] for f in unit.members}
             if len(flags) > 1:  # only an explicit bucket plan gets here: "auto" re-plans (_current_step)
                 raise ValueError(
-                    f"set_requires_gradient_sync differs between FSDP modules {list(unit.members)}, which your "
-                    "bucket plan (CompileConfig.bucket) puts in one all-gather and reduce-scatter: set it alike "
-                    "for them, or put them in separate buckets (bucket='auto' splits buckets along it by itself)"
+                    f"set_requires_gradient_sync or set_requires_all_reduce differs between FSDP modules "
+                    f"{list(unit.members)}, which your bucket plan (CompileConfig.bucket) puts in one all-gather and "
+                    "reduce-scatter: set it alike for them, or put them in separate buckets (bucket='auto' splits "
+                    "buckets along it by itself)"
                 )
-            if flags.pop():
-                acc = []
-                for pp in plans:
-                    sink = self._sinks.get(pp.fqn)
-                    acc.append(None if sink is None else sink.grad)
-                    if sink is not None:
-                        sink.grad = None
+            sync, all_reduce = flags.pop()
+            if sync:
                 sinks.append([])
-                accumulated.append(acc if any(a is not None for a in acc) else [])
+                accumulated.append(_take_grads(self._sinks, plans))
+                if all_reduce:
+                    partials.append(([], _take_grads(self._partials, plans)))
+                else:
+                    partials.append(([self._sink(pp, step.plan, self._partials) if pp.requires_grad else None
+                                      for pp in plans], []))
             else:
                 sinks.append([self._sink(pp, step.plan) if pp.requires_grad else None for pp in plans])
                 accumulated.append([])
-        return sinks, accumulated
+                partials.append(([], []))
+        return sinks, accumulated, partials
 
-    def _sink(self, pp, plan: ShardingPlan) -> torch.Tensor:
-        sink = self._sinks.get(pp.fqn)
+    def _sink(self, pp, plan: ShardingPlan, sinks: dict | None = None) -> torch.Tensor:
+        """``pp``'s accumulation sink: of its full shape (no sync), or of its shard's (``self._partials``)."""
+        sinks = self._sinks if sinks is None else sinks
+        sink = sinks.get(pp.fqn)
         if sink is None:
             group = next(g for g in plan.groups if any(q.fqn == pp.fqn for q in g.params))
             dtype = group.reduce_dtype or group.param_dtype or pp.orig_dtype  # FSDP2 accumulates in the reduce dtype
             # a leaf of the parameter's full shape that owns one element: only its .grad holds memory
-            sink = torch.empty_strided(pp.full_shape, (0,) * len(pp.full_shape), dtype=dtype, device=plan.device)
-            self._sinks[pp.fqn] = sink.requires_grad_()
+            shape = pp.full_shape if sinks is self._sinks else (pp.local_rows, *pp.full_shape[1:])
+            sink = torch.empty_strided(shape, (0,) * len(shape), dtype=dtype, device=plan.device)
+            sinks[pp.fqn] = sink.requires_grad_()
             if self.config.cudagraphs:  # its gradient accumulates over replays: out of the graphs' pool first
                 sink.register_hook(torch.Tensor.clone)
         return sink
 
-    def _plan_and_compile(self, args, kwargs, without_sync: frozenset = frozenset()) -> _Step:
+    def _plan_and_compile(self, args, kwargs, modes: dict | None = None) -> _Step:
         """On every rank together (the first call, or the first after FSDP2's settings changed): agree on
         the workload, plan the communication schedule (the same on every rank: ``passes/planner.py``),
         then build the compiled step. Later calls, and every recompile (new shapes, eval mode), reuse
@@ -274,9 +286,8 @@ class CompiledFSDPModule(nn.Module):
         workload = agreed_workload(self.plan, args, kwargs)
         cfg = self.config
         modules = modules_of(self.plan)
-        if without_sync:  # modules with equal keys may share a unit: with and without sync may not
-            modules = [dataclasses.replace(m, key=m.key._replace(requires_gradient_sync=m.fqn not in without_sync))
-                       for m in modules]
+        if modes:  # modules with equal keys may share a unit: with and without sync (or all-reduce) may not
+            modules = [dataclasses.replace(m, key=m.key._replace(gradient_sync=modes[m.fqn])) for m in modules]
         schedule = plan_schedule(
             modules, policy=cfg.bucket if isinstance(cfg.bucket, str) else [list(b) for b in cfg.bucket],
             reorder=cfg.reorder, cost_model=self.cost_model, workload=workload,
@@ -367,10 +378,22 @@ def _make_step(model, plan, schedule, kernels, key: tuple):
     units = capture.unit_traces(plan, schedule, kernels, key)
     places = capture.parameter_places(model, [fqn for u in units for fqn in u.fqns])
 
-    def step(shards, sinks, accumulated, extensions, *args, **kwargs):
-        return capture.traced_forward(model, units, key, places, shards, sinks, accumulated, extensions, args, kwargs)
+    def step(shards, sinks, accumulated, partials, extensions, *args, **kwargs):
+        return capture.traced_forward(model, units, key, places, shards, sinks, accumulated, partials, extensions, args,
+                                      kwargs)
 
     return step
+
+
+def _take_grads(sinks: dict, plans) -> list:
+    """The gradients accumulated in ``plans``' sinks (forgotten there: this step consumes them), or []."""
+    out = []
+    for pp in plans:
+        sink = sinks.get(pp.fqn)
+        out.append(None if sink is None else sink.grad)
+        if sink is not None:
+            sink.grad = None
+    return out if any(a is not None for a in out) else []
 
 
 def workload_of(args, kwargs) -> int:

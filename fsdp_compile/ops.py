@@ -35,6 +35,7 @@ import dataclasses
 import functools
 import itertools
 import json
+import math
 from collections.abc import Sequence
 from typing import Optional
 
@@ -155,6 +156,9 @@ class ReduceScatterArgs(_Record):
     local_rows: tuple[int, ...]  # this rank's unpadded rows of each parameter (0 past the end)
     orig_dtype: torch.dtype  # the sharded parameter's dtype: the shard gradients come back in it
     reduction: Reduction  # reduction.dtype is resolved (never None here)
+    # HSDP's set_requires_all_reduce(False): reduce-scatter only, and hand back each parameter's rows of the
+    # reduce-scattered buffer (FSDP2's partial reduce output: reduce dtype, not post-divided), no all-reduce
+    all_reduce: bool = True
 
 
 def _rank_of_rows(dim0s: Sequence[int], local_rows: Sequence[int], world_size: int) -> int:
@@ -256,8 +260,11 @@ def _unshard_payloads(shards: Sequence[Tensor], args: UnshardArgs, payloads: Seq
     return outs
 
 
-def reduce_scatter_grads_impl(grads: list[Tensor], args: ReduceScatterArgs) -> list[Tensor]:
-    """pack -> reduce-scatter -> wait -> unpack, with FSDP2's divide factors, annotated like the unshard."""
+def reduce_scatter_grads_impl(grads: list[Tensor], args: ReduceScatterArgs, partials: Sequence[Tensor | None] = ()) -> list[Tensor]:
+    """pack -> reduce-scatter -> wait -> unpack, with FSDP2's divide factors, annotated like the unshard.
+    HSDP: ``partials`` (per gradient, or empty) are the partial reduce outputs accumulated without all-reduce
+    (``ReduceScatterArgs.all_reduce``), added to this reduce-scatter's output before the all-reduce, as
+    FSDP2's ``foreach_reduce`` adds its ``partial_reduce_output``."""
     c, r = args.comm, args.reduction
     with annotate(REDUCE_SCATTER, c.fsdp_groups, c.unit):
         if c.world_size == 1 and r.all_reduce_group is None:  # one rank (_one_rank)
@@ -273,13 +280,35 @@ def reduce_scatter_grads_impl(grads: list[Tensor], args: ReduceScatterArgs) -> l
         # one rank (HSDP's 1-wide shard dim; without HSDP _one_rank.grad): the packed buffer is already this
         # rank's, and it is all-reduced as it is
         reduced = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(packed, op, c.world_size, c.group_name)) if c.world_size > 1 else packed
+        full_shapes = [tuple(g.shape) for g in grads]
+        rank = _rank_of_rows([g.shape[0] for g in grads], args.local_rows, c.world_size)
         if r.all_reduce_group is not None:  # HSDP: then across the replicas, as FSDP2's foreach_reduce
+            if not args.all_reduce:  # FSDP2 keeps this partial output as it is: no all-reduce, no post-divide
+                return K.reduce_scatter_copy_out(reduced, full_shapes, c.world_size, rank, dtype=reduced.dtype, impl=c.kernels)
+            if any(p is not None for p in partials):
+                reduced = _add_partials(reduced, partials, full_shapes, args.local_rows, c.world_size)
             reduced = _c10d.wait_tensor(_c10d.all_reduce(reduced, r.all_reduce_op, r.all_reduce_group))
         if r.post_factor is not None and r.post_factor != 1:
             reduced = reduced / r.post_factor
-        full_shapes = [tuple(g.shape) for g in grads]
-        rank = _rank_of_rows([g.shape[0] for g in grads], args.local_rows, c.world_size)
         return K.reduce_scatter_copy_out(reduced, full_shapes, c.world_size, rank, dtype=args.orig_dtype, impl=c.kernels)
+
+
+def _add_partials(reduced: Tensor, partials: Sequence[Tensor | None], full_shapes, local_rows, world_size: int) -> Tensor:
+    """``reduced`` (this rank's flat reduce-scatter output) with each parameter's accumulated partial added to
+    its rows: FSDP2's ``reduce_output += partial_reduce_output``, element by element; padding rows and
+    parameters without a partial are left as they are (no ``+ 0``, which would turn a -0.0 into 0.0)."""
+    pieces, offset = [], 0
+    for shape, rows, partial in zip(full_shapes, local_rows, partials):
+        rest = math.prod(shape[1:])
+        block, mine = padded_rows(shape[0], world_size) * rest, rows * rest
+        if partial is None or mine == 0:
+            pieces.append(reduced[offset:offset + block])
+        else:
+            pieces.append(reduced[offset:offset + mine] + partial.reshape(-1))
+            if block > mine:
+                pieces.append(reduced[offset + mine:offset + block])
+        offset += block
+    return torch.cat(pieces)
 
 
 # --- the ops -------------------------------------------------------------------------------------------
@@ -290,6 +319,7 @@ def reduce_scatter_grads_impl(grads: list[Tensor], args: ReduceScatterArgs) -> l
 
 @torch.library.custom_op("fsdp_compile::unshard", mutates_args=())
 def unshard(shards: list[Tensor], sinks: list[Optional[Tensor]], accumulated: list[Optional[Tensor]],
+            partial_sinks: list[Optional[Tensor]], partials: list[Optional[Tensor]],
             payloads: list[Tensor], args: str) -> list[Tensor]:
     """All-gather one unit's dim-0 shards into full parameters (see the module docstring). ``args`` is
     ``UnshardArgs.encode()``; its reduce-side fields parametrize the backward.
@@ -300,6 +330,12 @@ def unshard(shards: list[Tensor], sinks: list[Optional[Tensor]], accumulated: li
     dtype (the reduce dtype), as FSDP2 keeps its unsharded gradients. The step that syncs passes those as
     ``accumulated``: its backward adds them to its own before the reduce-scatter, as FSDP2 does.
 
+    HSDP without all-reduce (FSDP2's ``set_requires_all_reduce(False)``): ``partial_sinks`` (one per
+    parameter, of its shard's shape, in the reduce dtype; empty otherwise) take each parameter's rows of the
+    reduce-scattered buffer, not all-reduced and not post-divided, and autograd accumulates them into
+    ``.grad`` as FSDP2 accumulates its ``partial_reduce_output``; the step that all-reduces passes those as
+    ``partials``, added to its reduce-scatter's output before the all-reduce.
+
     All-gather extensions: ``payloads`` are the units' ``fsdp_pre_all_gather`` tensors (``_unshard_payloads``
     says what comes back for those parameters)."""
     outs = unshard_impl(shards, UnshardArgs.decode(args), payloads)
@@ -307,7 +343,7 @@ def unshard(shards: list[Tensor], sinks: list[Optional[Tensor]], accumulated: li
 
 
 @unshard.register_fake
-def _(shards, sinks, accumulated, payloads, args):
+def _(shards, sinks, accumulated, partial_sinks, partials, payloads, args):
     a = UnshardArgs.decode(args)
     if not any(a.payloads):
         return [s.new_empty((d, *s.shape[1:]), dtype=a.param_dtype or s.dtype) for s, d in zip(shards, a.dim0s)]
@@ -326,16 +362,17 @@ def _(shards, sinks, accumulated, payloads, args):
 
 
 @torch.library.custom_op("fsdp_compile::reduce_scatter_grads", mutates_args=())
-def reduce_scatter_grads(grads: list[Tensor], args: str) -> list[Tensor]:
+def reduce_scatter_grads(grads: list[Tensor], partials: list[Optional[Tensor]], args: str) -> list[Tensor]:
     """Reduce-scatter full-parameter gradients into this rank's shard gradients (FSDP2's post-backward).
-    ``args`` is ``ReduceScatterArgs.encode()``."""
-    return [t.clone() for t in reduce_scatter_grads_impl(grads, ReduceScatterArgs.decode(args))]
+    ``args`` is ``ReduceScatterArgs.encode()``; ``partials``: HSDP's, see ``reduce_scatter_grads_impl``."""
+    return [t.clone() for t in reduce_scatter_grads_impl(grads, ReduceScatterArgs.decode(args), partials)]
 
 
 @reduce_scatter_grads.register_fake
-def _(grads, args):
+def _(grads, partials, args):
     a = ReduceScatterArgs.decode(args)
-    return [g.new_empty((rows, *g.shape[1:]), dtype=a.orig_dtype) for g, rows in zip(grads, a.local_rows)]
+    dtype = a.orig_dtype if a.all_reduce else a.reduction.dtype
+    return [g.new_empty((rows, *g.shape[1:]), dtype=dtype) for g, rows in zip(grads, a.local_rows)]
 
 
 @torch.library.custom_op("fsdp_compile::post_forward_shard", mutates_args=())
@@ -358,7 +395,7 @@ def _(gathered, group_name):
 
 
 def _unshard_setup_context(ctx, inputs, output) -> None:
-    shards, sinks, accumulated, payloads, args = inputs
+    shards, sinks, accumulated, partial_sinks, partials, payloads, args = inputs
     # A parameter whose gathered tensor gets no gradient (used only through argmax, say) keeps .grad None and
     # is not reduce-scattered, as in FSDP2's post-backward; materialized, it would be reduced as zeros and an
     # optimizer would then step it (weight decay, Adam's moments) where eager leaves it alone.
@@ -369,10 +406,13 @@ def _unshard_setup_context(ctx, inputs, output) -> None:
     ctx.trainable = [s.requires_grad for s in shards]
     ctx.no_sync = any(t is not None for t in sinks)
     ctx.accumulated_at = [i for i, a in enumerate(accumulated) if a is not None]
-    ctx.save_for_backward(*[a for a in accumulated if a is not None])
+    ctx.no_all_reduce = any(t is not None for t in partial_sinks)
+    ctx.partials_at = [i for i, a in enumerate(partials) if a is not None]
+    ctx.save_for_backward(*[a for a in accumulated if a is not None], *[a for a in partials if a is not None])
     ctx.n_schema = 1  # the encoded args
     ctx.n_payloads = len(payloads)  # no gradient: FSDP2 gathers them under no_grad
     ctx.n_sinks, ctx.n_accumulated = len(sinks), len(accumulated)  # each [] or one per shard
+    ctx.n_partial_sinks, ctx.n_partials = len(partial_sinks), len(partials)
 
 
 def _unshard_backward(ctx, grads):
@@ -382,23 +422,31 @@ def _unshard_backward(ctx, grads):
         grads = [grads[e - 1] for e in ends]
     nones = [None] * len(grads)
     no_accumulated = [None] * ctx.n_accumulated
+    no_partials = ([None] * ctx.n_partial_sinks, [None] * ctx.n_partials)
     if ctx.no_sync:  # no reduce-scatter: the unsharded gradients go to the sinks (autograd accumulates them)
         to_sinks = [g if ctx.trainable[i] else None for i, g in enumerate(grads)]
-        return (nones, to_sinks, no_accumulated, [None] * ctx.n_payloads, *([None] * ctx.n_schema))
+        return (nones, to_sinks, no_accumulated, *no_partials, [None] * ctx.n_payloads, *([None] * ctx.n_schema))
     grads = list(grads)
-    for i, acc in zip(ctx.accumulated_at, ctx.saved_tensors):  # FSDP2: accumulated += this backward's gradient
+    saved = ctx.saved_tensors
+    for i, acc in zip(ctx.accumulated_at, saved):  # FSDP2: accumulated += this backward's gradient
         grads[i] = acc if grads[i] is None else acc + grads[i]
+    partials = dict(zip(ctx.partials_at, saved[len(ctx.accumulated_at):]))
     # Only parameters that require grad (and got one) take part, as in FSDP2's post_backward; the
     # selection is static per trace, so every rank issues the same reduce-scatter.
     keep = [i for i, g in enumerate(grads) if g is not None and ctx.trainable[i]]
     shard_grads: list[Tensor | None] = list(nones)
     if keep:
         reduction = dataclasses.replace(args.reduction, dtype=args.reduction.dtype or grads[keep[0]].dtype)
-        rs = ReduceScatterArgs(args.comm, tuple(ctx.local_rows[i] for i in keep), ctx.orig_dtypes[keep[0]], reduction)
-        reduced = reduce_scatter_grads([grads[i] for i in keep], *rs.schema())
+        rs = ReduceScatterArgs(args.comm, tuple(ctx.local_rows[i] for i in keep), ctx.orig_dtypes[keep[0]], reduction,
+                               all_reduce=not ctx.no_all_reduce)
+        reduced = reduce_scatter_grads([grads[i] for i in keep], [partials.get(i) for i in keep], *rs.schema())
         for i, g in zip(keep, reduced):
             shard_grads[i] = g
-    return (shard_grads, [None] * ctx.n_sinks, no_accumulated, [None] * ctx.n_payloads, *([None] * ctx.n_schema))
+    if ctx.no_all_reduce:  # the reduce-scattered rows go to the partial sinks (autograd accumulates them)
+        return (nones, [None] * ctx.n_sinks, no_accumulated, shard_grads, no_partials[1], [None] * ctx.n_payloads,
+                *([None] * ctx.n_schema))
+    return (shard_grads, [None] * ctx.n_sinks, no_accumulated, *no_partials, [None] * ctx.n_payloads,
+            *([None] * ctx.n_schema))
 
 
 unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup_context)
@@ -407,9 +455,10 @@ unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup_contex
 # AOTAutograd decomposes our ops into the functional collectives above (see backend.py).
 DECOMPOSITIONS = {
     torch.ops.fsdp_compile.unshard.default: (
-        lambda shards, sinks, accumulated, payloads, args: unshard_impl(shards, UnshardArgs.decode(args), payloads)
+        lambda shards, sinks, accumulated, partial_sinks, partials, payloads, args:
+        unshard_impl(shards, UnshardArgs.decode(args), payloads)
     ),
     torch.ops.fsdp_compile.reduce_scatter_grads.default: (
-        lambda grads, args: reduce_scatter_grads_impl(grads, ReduceScatterArgs.decode(args))
+        lambda grads, partials, args: reduce_scatter_grads_impl(grads, ReduceScatterArgs.decode(args), partials)
     ),
 }

@@ -58,7 +58,8 @@ class BucketKey(NamedTuple):
     all_reduce_op: str  # HSDP
     post_forward_group: str | None  # an int reshard_after_forward's post-forward group
     unshard_in_backward: bool = True  # set_unshard_in_backward: a unit is re-gathered in backward for all or none
-    requires_gradient_sync: bool | None = None  # set only while it differs between modules (bucket="auto")
+    # "sync" | "no_sync" | "no_all_reduce" (HSDP): set only while it differs between modules (bucket="auto")
+    gradient_sync: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,22 +220,22 @@ def lazy_init(model: nn.Module) -> None:
 # FSDP2's runtime setters (FSDPModule.set_*) under compile. ``settings_key`` is read at every compiled call:
 # a change takes effect at the next call, on every rank together (they are SPMD calls), never silently.
 # * honored: set_requires_gradient_sync (a mode of the compiled step: no reduce-scatter, unsharded gradients
-#   accumulated as FSDP2 does), set_reshard_after_forward, set_modules_to_forward_prefetch,
-#   set_modules_to_backward_prefetch, set_gradient_divide_factor, set_reduce_scatter_divide_factor,
-#   set_force_sum_reduction_for_comms (read into a new plan and schedule), set_unshard_in_backward(False) (the
-#   compiled backward re-gathers only parameters it needs: refused where it needs that module's, backend.py);
+#   accumulated as FSDP2 does), set_requires_all_reduce (HSDP: another mode, reduce-scatter without the
+#   all-reduce, its output accumulated as FSDP2's partial reduce output), set_reshard_after_forward,
+#   set_modules_to_forward_prefetch, set_modules_to_backward_prefetch, set_gradient_divide_factor,
+#   set_reduce_scatter_divide_factor, set_force_sum_reduction_for_comms (read into a new plan and schedule),
+#   set_unshard_in_backward(False) (the compiled backward re-gathers only parameters it needs: refused where it
+#   needs that module's, backend.py);
 # * nothing to do under compile (no work of a compiled step is in flight when it returns, and its
 #   collectives run after whatever the caller issued before): set_is_last_backward, set_post_optim_event;
 # * refused, naming the setter (``_unsupported_settings``): the rest, when set away from FSDP2's default.
 _DEFAULT_COMMS = ("DefaultAllGather", "DefaultReduceScatter")
 
 
-def _unsupported_settings(settings: Settings, hsdp: bool) -> list[tuple[str, str]]:
+def _unsupported_settings(settings: Settings) -> list[tuple[str, str]]:
     out = []
     if not settings.reshard_after_backward:
         out.append(("set_reshard_after_backward(False)", "keeps the parameters unsharded after backward"))
-    if hsdp and not settings.requires_all_reduce:
-        out.append(("set_requires_all_reduce(False)", "defers HSDP's all-reduce (partial reductions)"))
     if settings.reduce_scatter_unused_params:
         out.append(("set_reduce_scatter_unused_params(True)", "reduce-scatters zeros for unused parameters"))
     if settings.reduce_scatter_max_input_buffers != 1:
@@ -383,7 +384,7 @@ def _read_group(fqn: str, layout: _fsdp2.Layout, settings: Settings, canonical: 
         post_forward = dict(post_forward_group_name=pf_group.group_name, post_forward_size=n)
     if settings.all_reduce_hook:
         raise NotImplementedError(f"{where}: set_all_reduce_hook is not supported under fsdp_compile.compile yet")
-    for setter, problem in _unsupported_settings(settings, layout.all_reduce_group is not None):
+    for setter, problem in _unsupported_settings(settings):
         raise NotImplementedError(
             f"{where}: {setter} {problem}, which fsdp_compile.compile does not support yet; set it back (or use "
             "eager FSDP2 for this model)"

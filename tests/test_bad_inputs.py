@@ -204,8 +204,6 @@ ROWS = [
      NotImplementedError, r"set_separate_reduce_scatter_group\(True\)"),
     ("set_all_reduce_hook", compile_(with_setter("set_all_reduce_hook", lambda grad: None)), NotImplementedError,
      r"set_all_reduce_hook"),
-    ("set_requires_all_reduce", compile_(with_setter("set_requires_all_reduce", False, hsdp=True)),
-     NotImplementedError, r"set_requires_all_reduce\(False\)"),
     ("config to explain", lambda tmp: fc.explain(llama(), tokens(), backend="aot_eager"), TypeError,
      r"explain\(\) got backend='aot_eager'.*config=fsdp_compile.CompileConfig\(backend='aot_eager'\)"),
     # options checked against the model, before any trace

@@ -90,10 +90,10 @@ def test_opcheck(gloo_world_1):
     shards = [torch.randn(5, 3, requires_grad=True), torch.randn(2, requires_grad=True)]
     comm = Comm(("layers.0", "layers.1"), 0, gloo_world_1, world_size=1, kernels="torch")
     args = UnshardArgs(comm, (5, 2), torch.bfloat16, Reduction(torch.float32, "avg", None, None))
-    torch.library.opcheck(torch.ops.fsdp_compile.unshard.default, (shards, [], [], [], *args.schema()))
+    torch.library.opcheck(torch.ops.fsdp_compile.unshard.default, (shards, [], [], [], [], [], *args.schema()))
     grads = [torch.randn(5, 3), torch.randn(2)]
     rs_args = ReduceScatterArgs(comm, (5, 2), torch.float32, Reduction(torch.float32, "sum", None, None))
-    torch.library.opcheck(torch.ops.fsdp_compile.reduce_scatter_grads.default, (grads, *rs_args.schema()))
+    torch.library.opcheck(torch.ops.fsdp_compile.reduce_scatter_grads.default, (grads, [], *rs_args.schema()))
 
 
 def test_unshard_eager_autograd(gloo_world_1):
@@ -101,7 +101,7 @@ def test_unshard_eager_autograd(gloo_world_1):
     gradient back to the parameter dtype, divided as FSDP2 would (fp16 reduce: pre/post factors)."""
     w = torch.randn(5, 3, requires_grad=True)
     args = UnshardArgs(Comm(("",), 0, gloo_world_1, 1, "torch"), (5,), torch.float16, Reduction(torch.float16, "sum", 2.0, 4.0))
-    (full,) = torch.ops.fsdp_compile.unshard([w], [], [], [], *args.schema())
+    (full,) = torch.ops.fsdp_compile.unshard([w], [], [], [], [], [], *args.schema())
     assert full.dtype == torch.float16 and torch.equal(full, w.to(torch.float16))
     full.float().sum().backward()
     assert w.grad.dtype == torch.float32 and torch.equal(w.grad, torch.full((5, 3), 1 / 8))

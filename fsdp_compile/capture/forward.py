@@ -51,17 +51,18 @@ def unit_traces(plan: ShardingPlan, schedule: Schedule, kernels: str, key: tuple
 
 def traced_forward(
     model: nn.Module, units: list[UnitTrace], key: tuple, places: dict, shards: list[list[torch.Tensor]],
-    sinks: list[list], accumulated: list[list], extensions: list[list], args, kwargs
+    sinks: list[list], accumulated: list[list], partials: list[tuple[list, list]], extensions: list[list], args, kwargs
 ):
     """The function Dynamo captures: one ``fsdp_compile::unshard`` per unit of the schedule (``shards[i]``:
     the local shards of ``units[i].params``, whose op arguments ``units[i].arguments`` were encoded before
-    tracing; ``sinks[i]`` / ``accumulated[i]``: gradient accumulation without sync, see the op; ``key[i]`` /
+    tracing; ``sinks[i]`` / ``accumulated[i]``: gradient accumulation without sync, ``partials[i]``: HSDP's
+    without all-reduce (its partial sinks, its partials), see the op; ``key[i]`` /
     ``extensions[i]``: its all-gather extensions, ``_extensions.prepare``), then the model on the full
     parameters (``places``: ``parameter_places``)."""
     full = {}
     for i, (unit, unit_shards) in enumerate(zip(units, shards)):
         if key[i] is None:
-            gathered = torch.ops.fsdp_compile.unshard(unit_shards, sinks[i], accumulated[i], [], unit.arguments)
+            gathered = torch.ops.fsdp_compile.unshard(unit_shards, sinks[i], accumulated[i], *partials[i], [], unit.arguments)
             if unit.parallel is None:
                 for fqn, t in zip(unit.fqns, gathered):
                     full[fqn] = t
@@ -70,7 +71,8 @@ def traced_forward(
                     full[fqn] = t if spec is None else _as_dtensor(t, spec)
             continue
         selves, payloads, metadatas = _extensions.split(extensions[i], key[i])
-        outs = iter(torch.ops.fsdp_compile.unshard(unit_shards, sinks[i], accumulated[i], payloads, unit.arguments))
+        outs = iter(torch.ops.fsdp_compile.unshard(unit_shards, sinks[i], accumulated[i], *partials[i], payloads,
+                                                   unit.arguments))
         with annotate(UNSHARD, unit.members, i):  # part of the unit's unshard chain (re-gathered for reshard_after_forward)
             for p, layout in zip(unit.params, key[i]):
                 if layout is None:
