@@ -67,7 +67,7 @@ class _Step:
 
     def lookup(self, model: nn.Module) -> list[list[nn.Parameter]]:
         """The model's current parameter objects, per unit."""
-        by_name = dict(model.named_parameters())
+        by_name = dict(model.named_parameters(remove_duplicate=False))  # ParamPlan.places' names too
         return [[by_name[pp.fqn] for pp in unit] for unit in self.param_plans]
 
     def current(self) -> bool:
@@ -376,7 +376,8 @@ def _named_collective_failures():
 def _make_step(model, plan, schedule, kernels, key: tuple):
     # what the trace reads of each unit (its op arguments encoded: a constant string in the graph), found once
     units = capture.unit_traces(plan, schedule, kernels, key)
-    places = capture.parameter_places(model, [fqn for u in units for fqn in u.fqns])
+    places = capture.parameter_places(model, [fqn for u in units for fqn in u.fqns],
+                                      {p.fqn: p.places for u in units for p in u.params if p.places})
 
     def step(shards, sinks, accumulated, partials, extensions, *args, **kwargs):
         return capture.traced_forward(model, units, key, places, shards, sinks, accumulated, partials, extensions, args,

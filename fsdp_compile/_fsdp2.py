@@ -244,6 +244,9 @@ class Param:
     pre_all_gather_args: tuple | None
     param_dtype: torch.dtype | None  # MixedPrecisionPolicy.param_dtype, where it differs from orig_dtype
     orig_dtype: torch.dtype
+    # where FSDP2 puts this one's unsharded (and sharded) parameter: (module, attribute name), its module's
+    # first, then the modules that shared it at fully_shard time (ParamModuleInfo)
+    places: tuple[tuple[nn.Module, str], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,6 +264,12 @@ class Layout:
     params: tuple[Param, ...]
     shard_dim_name: str | None = None  # the FSDP mesh's names for its shard and (HSDP) replicate dims
     replicate_dim_name: str | None = None
+
+
+def _places(info) -> tuple[tuple[nn.Module, str], ...]:
+    """``FSDPParam._setattr_on_modules``' targets."""
+    shared = zip(_get(info, "shared_modules"), _get(info, "shared_param_names"), strict=True)
+    return ((_get(info, "module"), _get(info, "param_name")), *shared)
 
 
 def layout(pg) -> Layout:
@@ -289,6 +298,7 @@ def layout(pg) -> Layout:
             ) if extension else None,
             param_dtype=_get(fp, "param_dtype"),
             orig_dtype=_get(fp, "orig_dtype"),
+            places=_places(_get(fp, "_module_info")),
         ))
     hsdp = _get(pg, "_is_hsdp")
     names = (getattr(mesh_info.mesh, "mesh_dim_names", None) or ()) if not spmd else ()

@@ -26,7 +26,9 @@ from fsdp_compile._param_specs import ExtensionSpec, ParallelSpec
 
 @dataclasses.dataclass(frozen=True)
 class ParamPlan:
-    fqn: str  # first FQN in ``model.named_parameters()``; tied aliases resolve to it
+    # first FQN in ``model.named_parameters()``; tied aliases resolve to it. One of several FSDP parameters
+    # that share one sharded parameter (``places``) is named by its first place instead
+    fqn: str
     full_shape: tuple[int, ...]  # what the all-gather rebuilds: the parameter's shape, or its TP/EP-local one
     local_rows: int  # this rank's unpadded dim-0 rows (0 for ranks past the end)
     orig_dtype: torch.dtype
@@ -34,6 +36,9 @@ class ParamPlan:
     matmul: bool  # a weight of matrix products (2-D or more, and not only an embedding table): the cost model's FLOPs
     parallel: ParallelSpec | None = None  # a DTensor before fully_shard: what the module is handed
     extension: ExtensionSpec | None = None  # gathers what fsdp_pre_all_gather returns (float8, ...)
+    # where several FSDP parameters share this sharded parameter (``_own_places``): the ``module.attribute``
+    # names FSDP2 puts this one's unsharded parameter at (only they get it); (): every module holding it
+    places: tuple[str, ...] = ()
 
     def gathered_bytes(self, world_size: int, gather_dtype: torch.dtype | None) -> int:
         """Bytes its all-gather moves: its all-gather inputs from every rank, or its padded rows in ``gather_dtype``."""
@@ -309,6 +314,7 @@ def read_plan(model: nn.Module) -> ShardingPlan:
         for p in module._parameters.values():
             if p is not None:
                 lookup_only[p] = lookup_only.get(p, True) and isinstance(module, (nn.Embedding, nn.EmbeddingBag))
+    module_names = {m: n for n, m in reversed(list(nn.Module.named_modules(model, remove_duplicate=False)))}
     states = fsdp_states(model)
     fqn_of_state = {state: fqn for fqn, _, state in states}
     groups = []
@@ -323,7 +329,7 @@ def read_plan(model: nn.Module) -> ShardingPlan:
         if not pgs:
             continue
         layout = _fsdp2.layout(pgs[0])
-        group = _read_group(fqn, layout, _fsdp2.settings(state, pgs[0]), canonical, lookup_only)
+        group = _read_group(fqn, layout, _fsdp2.settings(state, pgs[0]), canonical, lookup_only, module_names)
         forward, backward = _fsdp2.prefetch(state)
         groups.append(dataclasses.replace(
             group,
@@ -335,7 +341,20 @@ def read_plan(model: nn.Module) -> ShardingPlan:
         raise ValueError(f"FSDP groups live on different devices {sorted(map(str, devices))}; use one device per rank")
     if not groups:
         raise ValueError("the model's FSDP modules manage no parameters: nothing to shard or compile")
-    return ShardingPlan(_with_leading(groups, list(canonical.values())), devices.pop())
+    names = [name for name, _ in model.named_parameters(remove_duplicate=False)]
+    return ShardingPlan(_with_leading(_own_places(groups), names), devices.pop())
+
+
+def _own_places(groups: list[GroupPlan]) -> list[GroupPlan]:
+    """FSDP parameters sharing one sharded parameter (a tie made after ``fully_shard``, as torchtitan's
+    ``init_states`` under TP): eager FSDP2 gathers each for its own modules and reduce-scatters each gradient
+    on its own, so each keeps its own name (its first place) and places; every other parameter drops them."""
+    count: dict[str, int] = {}
+    for p in (p for g in groups for p in g.params):
+        count[p.fqn] = count.get(p.fqn, 0) + 1
+    return [dataclasses.replace(g, params=tuple(
+        dataclasses.replace(p, fqn=p.places[0]) if count[p.fqn] > 1 and p.places else dataclasses.replace(p, places=())
+        for p in g.params)) for g in groups]
 
 
 def inside(fqn: str, outer: str) -> bool:
@@ -357,7 +376,8 @@ def _with_leading(groups: list[GroupPlan], order: list[str]) -> tuple[GroupPlan,
     return tuple(out)
 
 
-def _read_group(fqn: str, layout: _fsdp2.Layout, settings: Settings, canonical: dict, lookup_only: dict) -> GroupPlan:
+def _read_group(fqn: str, layout: _fsdp2.Layout, settings: Settings, canonical: dict, lookup_only: dict,
+                module_names: dict) -> GroupPlan:
     where = f"FSDP module {fqn or '<root>'!r}"
     if layout.offload_to_cpu and layout.device.type != "cpu":
         # On a CPU device the offloaded shards, gradients and optimizer state already live where compute
@@ -421,8 +441,9 @@ def _read_group(fqn: str, layout: _fsdp2.Layout, settings: Settings, canonical: 
 
             extension = _extensions.read_spec(where_p, local, fp.pre_all_gather_args, parallel is not None,
                                               layout.post_forward is not None, world_size)
+        places = tuple(f"{module_names[m]}.{a}".lstrip(".") for m, a in fp.places if m in module_names)
         params.append(ParamPlan(canonical[param], full, local.shape[0], param.dtype, param.requires_grad, matmul,
-                                parallel, extension))
+                                parallel, extension, places))
     trainable = [p for p in layout.params if p.sharded_param.requires_grad]
     param_dtype = next((p.param_dtype for p in layout.params if p.param_dtype is not None), None)
     grad_dtype = param_dtype or (trainable[0].orig_dtype if trainable else None)

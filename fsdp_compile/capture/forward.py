@@ -84,11 +84,14 @@ def traced_forward(
     return call_with(model, places, full, args, kwargs)
 
 
-def parameter_places(model: nn.Module, fqns) -> dict[str, tuple[tuple[dict, str], ...]]:
+def parameter_places(model: nn.Module, fqns, own: dict[str, tuple[str, ...]] | None = None
+                     ) -> dict[str, tuple[tuple[dict, str], ...]]:
     """Where each parameter ``fqns`` names is held: ``(module._parameters, name)`` for every module that holds
-    it, every alias of a tied one included (``functional_call(tie_weights=True)``'s untying). Found once,
-    outside the trace: Dynamo traced ``functional_call``'s walk of every module's parameters on every
-    compile, 0.35 s per layer of an HF Llama (and reading ``module._parameters`` in the trace, 1 ms each)."""
+    it, every alias of a tied one included (``functional_call(tie_weights=True)``'s untying); for a name in
+    ``own`` (``ParamPlan.places``: one of several FSDP parameters sharing a sharded parameter), only the
+    places it lists. Found once, outside the trace: Dynamo traced ``functional_call``'s walk of every
+    module's parameters on every compile, 0.35 s per layer of an HF Llama (and reading
+    ``module._parameters`` in the trace, 1 ms each)."""
     holders: dict[int, list[tuple[nn.Module, str]]] = {}
     for _, module in nn.Module.named_modules(model, remove_duplicate=False):
         for name, param in module._parameters.items():
@@ -96,13 +99,18 @@ def parameter_places(model: nn.Module, fqns) -> dict[str, tuple[tuple[dict, str]
                 holders[id(param)].append((module, name))
     out = {}
     for fqn in fqns:
-        path, _, name = fqn.rpartition(".")
-        module = _get(model, path) if path else model
-        param = module._parameters.get(name)
-        if param is None:
+        found = [_held(model, place) for place in (own or {}).get(fqn, (fqn,))]
+        param = found[0][0]._parameters.get(found[0][1])
+        if param is None or any(m._parameters.get(n) is not param for m, n in found):
             raise ValueError(f"fsdp_compile: no parameter {fqn!r} on the model: call fsdp_compile.compile again")
-        out[fqn] = tuple((holder._parameters, key) for holder, key in holders[id(param)])
+        places = found if fqn in (own or {}) else holders[id(param)]
+        out[fqn] = tuple((holder._parameters, key) for holder, key in places)
     return out
+
+
+def _held(model: nn.Module, fqn: str) -> tuple[nn.Module, str]:
+    path, _, name = fqn.rpartition(".")
+    return (_get(model, path) if path else model), name
 
 
 def call_with(model: nn.Module, places: dict, tensors: dict[str, torch.Tensor], args, kwargs):
