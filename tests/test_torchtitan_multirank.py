@@ -122,14 +122,22 @@ def test_torchtitan_inductor_close():
 
 
 TP = TitanCase(model="llama3", tp=2, steps=2)
+# enable_weight_tying under TP: its TP plan distributes tok_embeddings and lm_head apart, fully_shard makes them
+# two FSDP parameters and init_states ties them again, which eager FSDP2 reduce-scatters one by one
+TP_TIED = TitanCase(model="llama3", tp=2, steps=2, tied=True)
 
 
-def test_torchtitan_tensor_parallel():
+@pytest.fixture(scope="module")
+def tp_results():
+    return run_ranks(titan_worker, 4, [TP, TP_TIED], timeout=600)
+
+
+@pytest.mark.parametrize("case", [TP, TP_TIED], ids=lambda c: c.name)
+def test_torchtitan_tensor_parallel(tp_results, case):
     """torchtitan's own ``apply_tp`` (sequence-parallel norms, column/row-parallel projections, logits left
     sharded over the vocabulary for its vocab-parallel loss) and ``apply_fsdp`` on 4 ranks, dp_shard 2 x
-    tp 2, as ``parallelize_llama`` composes them: bitwise like eager FSDP2 + TP."""
-    results = run_ranks(titan_worker, 4, [TP], timeout=600)
-    for rank, r in _ok(results, TP):
+    tp 2, as ``parallelize_llama`` composes them, with and without weight tying: bitwise like eager FSDP2 + TP."""
+    for rank, r in _ok(tp_results, case):
         assert r["param_meshes"] == ["('fsdp', 'tp')"], r["param_meshes"]  # FSDP2's 2-D DTensors: TP is on
         assert r["dynamo_graphs"] == 1, (rank, r["dynamo_graphs"])
         # inline, and the report says why: torch 2.13's invoke_subgraph loses a region's DTensor outputs

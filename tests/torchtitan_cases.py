@@ -60,6 +60,7 @@ class TitanCase:
     ac: str | None = None  # None | "selective" | "full": torchtitan's SelectiveAC / FullAC configs
     loss: str = "ce"  # "ce": CrossEntropyLoss | "chunked": ChunkedLossWrapper (lm_head run by the loss)
     tp: int = 1  # tensor_parallel_degree: torchtitan's apply_tp (sequence parallel, loss parallel)
+    tied: bool = False  # enable_weight_tying (Llama3 1B and 3B, Qwen3): tok_embeddings.weight is lm_head.weight
 
     @property
     def name(self) -> str:
@@ -72,6 +73,8 @@ class TitanCase:
             parts.append(f"loss={self.loss}")
         if self.tp > 1:
             parts.append(f"tp{self.tp}")
+        if self.tied:
+            parts.append("tied")
         return "-".join(parts)
 
 
@@ -119,7 +122,7 @@ def _parallel_dims(world_size: int, tp: int = 1):
     return dims, parallelism
 
 
-def _model_config(model: str, n_layers: int):
+def _model_config(model: str, n_layers: int, tied: bool = False):
     from torchtitan.models.common.attention import ScaledDotProductAttention
 
     if model == "llama3":
@@ -135,6 +138,8 @@ def _model_config(model: str, n_layers: int):
     else:
         raise ValueError(model)
     cfg.layers = cfg.layers[:n_layers]
+    if tied:  # as its 1B and 3B configs: the parallelize functions and init_states read it
+        cfg.enable_weight_tying = True
     for layer in cfg.layers:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
     return cfg, parallelize
@@ -147,7 +152,7 @@ def build(case, dims, parallelism, dump_folder: str):
     from torchtitan.components.optimizer import default_adamw
     from torchtitan.config import CompileConfig, TrainingConfig
 
-    cfg, parallelize = _model_config(case.model, case.n_layers)
+    cfg, parallelize = _model_config(case.model, case.n_layers, case.tied)
     if case.tp > 1:  # what update_from_config does for TP: torchtitan's own Llama3 sharding plan
         from torchtitan.models.llama3.sharding import set_llama3_sharding_config
 
@@ -227,6 +232,8 @@ def run_case(case: TitanCase, rank: int, world_size: int, dims, parallelism, tmp
     torch.manual_seed(0)
     with torch.no_grad():
         eager.init_weights(buffer_device=None)
+    if case.tied:  # what init_states does first, on the copy init_weights does not run on
+        comp.tok_embeddings.weight = comp.lm_head.weight
     _copy_state(eager, comp)
     p0 = _flat(eager)
     kwargs = {} if case.regions is None else {"regions": case.regions}

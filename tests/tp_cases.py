@@ -40,6 +40,11 @@ class TPCase:
     ragged: bool = False  # batch shapes differ between data-parallel ranks (rank invariance)
     dcp: bool = False  # then a torch.distributed.checkpoint save and load into a fresh compiled model
     planned: bool = False  # CompileConfig's defaults (bucket="auto", reorder=True); else one unit per FSDP module
+    # llama: tok_embeddings.weight and output.weight tied. "after": tied again after fully_shard, as torchtitan's
+    # Decoder.init_states does (its TP plan had made them two parameters, and fully_shard two FSDP parameters,
+    # which FSDP2's lazy init then points at the one); "before": tied again between the TP plan and fully_shard
+    tied: str | None = None
+    micro: int = 1  # backward calls per optimizer step, each reduce-scattered into .grad (torchtitan's accumulation)
 
     @property
     def name(self) -> str:
@@ -54,6 +59,10 @@ class TPCase:
             parts.append("dcp")
         if self.planned:
             parts.append("planned")
+        if self.tied:
+            parts.append(f"tied_{self.tied}")
+        if self.micro > 1:
+            parts.append(f"micro{self.micro}")
         return "-".join(parts)
 
 
@@ -199,7 +208,7 @@ def build(case: TPCase):
         m = MLP()
         blocks = list(m.blocks)
     else:
-        m = Llama(LlamaArgs(n_layers=2))
+        m = Llama(LlamaArgs(n_layers=2, tie_embeddings=case.tied is not None))
         blocks = list(m.layers)
     if case.ac:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -214,6 +223,8 @@ def build(case: TPCase):
             parallelize_module(inner, tp_mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
     else:
         tensor_parallel(_unwrapped(m, case.ac), tp_mesh, loss_parallel=True)
+        if case.tied == "before":  # parallelize_module distributed each alias into a parameter of its own
+            m.output.weight = m.tok_embeddings.weight
     blocks = list(m.blocks if case.model == "mlp" else m.layers)
     dp_mesh = mesh["replicate", "shard"] if case.replicate > 1 else mesh["dp"]
     kwargs = {"mesh": dp_mesh, "reshard_after_forward": case.reshard}
@@ -225,6 +236,8 @@ def build(case: TPCase):
     if case.mp == "bf16":
         root["mp_policy"] = MixedPrecisionPolicy(torch.bfloat16, torch.float32, output_dtype=torch.float32)
     fully_shard(m, **root)
+    if case.tied == "after":
+        m.output.weight = m.tok_embeddings.weight
     return m, mesh
 
 
@@ -278,12 +291,13 @@ def run_tp_case(case: TPCase) -> dict:
     opt_c = torch.optim.AdamW(compiled.parameters(), lr=1e-2)
     out = {"loss_eager": [], "loss_compiled": [], "grad_diff": [], "param_diff": []}
     for step in range(case.steps):
-        x = batch(case, step)
-        for m, opt, key in ((eager, opt_e, "eager"), (compiled, opt_c, "compiled")):
-            with _context(case):
-                loss = loss_of(case, m(x), x)
-                loss.backward()
-            out[f"loss_{key}"].append(loss.full_tensor().item() if hasattr(loss, "full_tensor") else loss.item())
+        for micro in range(case.micro):
+            x = batch(case, step * case.micro + micro)
+            for m, opt, key in ((eager, opt_e, "eager"), (compiled, opt_c, "compiled")):
+                with _context(case):
+                    loss = loss_of(case, m(x), x)
+                    loss.backward()
+                out[f"loss_{key}"].append(loss.full_tensor().item() if hasattr(loss, "full_tensor") else loss.item())
         out["grad_diff"].append(max_diff([p.grad for p in eager.parameters()], [p.grad for p in model.parameters()]))
         out["grad_placements"] = sorted({  # the gradients are FSDP2's: DTensors of the parameter's own placements
             str(p.grad.placements == p.placements) for p in model.parameters() if p.grad is not None
