@@ -132,3 +132,25 @@ def fake_process_group(world_size: int, rank: int = 0):
     finally:
         dist.destroy_process_group()
         forget_meshes()  # this group's meshes must not meet the next one's in DTensor's caches
+
+
+def run_scenarios(scenarios: dict, rank: int, world_size: int) -> dict:
+    """Each ``fn(rank, world_size)`` of ``scenarios`` in one group of ranks (one spawn, one torch import per
+    rank); a scenario that raises is reported by name, with its traceback, and the others still run."""
+    import traceback
+
+    out = {}
+    for name, fn in scenarios.items():
+        try:
+            out[name] = fn(rank, world_size)
+        except Exception:  # noqa: BLE001 - reported to the test that owns the scenario
+            out[name] = {"error": traceback.format_exc()}
+    return out
+
+
+def scenario(results: list, name: str) -> list[dict]:
+    """Every rank's result of scenario ``name`` (``run_scenarios``); a rank where it raised fails the test."""
+    per_rank = [r[name] for r in results]
+    for r in per_rank:
+        assert "error" not in r, r["error"]
+    return per_rank

@@ -137,6 +137,16 @@ def max_diff(xs, ys) -> float:
     return d
 
 
+def record_step(out: dict, eager, model, opts) -> None:
+    """The end of one optimizer step of eager FSDP2 (``eager``) and the compiled model's ``model`` side by
+    side: the largest gradient difference, every optimizer's step, then the largest parameter difference."""
+    out["grad_diff"].append(max_diff([p.grad for p in eager.parameters()], [p.grad for p in model.parameters()]))
+    for opt in opts:
+        opt.step()
+        opt.zero_grad()
+    out["param_diff"].append(max_diff(list(eager.parameters()), list(model.parameters())))
+
+
 def run_case(case: Case, rank: int, world_size: int) -> dict:
     """Eager FSDP2 and the compiled model, trained side by side. With ``case.inline`` (and regions on, under
     ``aot_eager``: the bitwise cases) a third model is compiled with regions off, the differential guard: a

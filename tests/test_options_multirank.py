@@ -17,8 +17,8 @@ import functools
 import pytest
 import torch
 
-from dist_helpers import run_ranks
-from parity import Case, batch, build, loss_fn, max_diff
+from dist_helpers import run_ranks, run_scenarios, scenario
+from parity import Case, batch, build, loss_fn, max_diff, record_step
 
 pytestmark = pytest.mark.multirank
 
@@ -60,11 +60,7 @@ def accumulation_worker(rank, world_size, *, mp):
                 )
                 if len(compiled.captured.backward) > n_backward:  # the no-sync backward graph, when compiled
                     out["no_sync_reduce_scatters"] = count_collectives(compiled.captured.backward[-1:])["reduce_scatters"]
-        out["grad_diff"].append(max_diff([p.grad for p in eager.parameters()], [p.grad for p in model.parameters()]))
-        for opt in opts:
-            opt.step()
-            opt.zero_grad()
-        out["param_diff"].append(max_diff(list(eager.parameters()), list(model.parameters())))
+        record_step(out, eager, model, opts)
     out["dynamo_graphs"] = len(compiled.captured.dynamo)
     return out
 
@@ -72,17 +68,9 @@ def accumulation_worker(rank, world_size, *, mp):
 def options_worker(rank, world_size):
     """Every scenario of this file in one group of ranks (one spawn, one torch import per rank); a scenario
     that raises is reported by name and the others still run."""
-    import traceback
-
     scenarios = {f"accumulation-{mp}": functools.partial(accumulation_worker, mp=mp) for mp in ACCUMULATION_MP}
     scenarios.update(mixed_sync=mixed_sync_worker, settings=settings_worker)
-    out = {}
-    for name, fn in scenarios.items():
-        try:
-            out[name] = fn(rank, world_size)
-        except Exception:  # noqa: BLE001 - reported to the test that owns the scenario
-            out[name] = {"error": traceback.format_exc()}
-    return out
+    return run_scenarios(scenarios, rank, world_size)
 
 
 @pytest.fixture(scope="module")
@@ -90,19 +78,13 @@ def results():
     return run_ranks(options_worker, 2, timeout=900)
 
 
-def _scenario(results, name: str) -> list[dict]:
-    per_rank = [r[name] for r in results]
-    for r in per_rank:
-        assert "error" not in r, r["error"]
-    return per_rank
-
 
 ACCUMULATION_MP = [None, "bf16_reduce_bf16"]  # bf16 with an fp32 reduce, with sync: the parity grid
 
 
 @pytest.mark.parametrize("mp", ACCUMULATION_MP)
 def test_accumulation_without_sync(results, mp):
-    for rank, r in enumerate(_scenario(results, f"accumulation-{mp}")):
+    for rank, r in enumerate(scenario(results, f"accumulation-{mp}")):
         assert all(le == lc for le, lc in r["losses"]), (rank, r["losses"])
         assert max(r["grad_diff"]) == 0.0 and max(r["param_diff"]) == 0.0, (rank, r)
         assert all(r["none_after_no_sync"]), r  # no sharded gradient until the step that syncs, as in eager
@@ -133,11 +115,7 @@ def mixed_sync_worker(rank, world_size):
             lc = _micro(case, compiled, 3 * step + micro, rank)
             out["losses"].append((le, lc))
             out["units"].append([list(u.members) for u in compiled.schedule.units])
-        out["grad_diff"].append(max_diff([p.grad for p in eager.parameters()], [p.grad for p in model.parameters()]))
-        for opt in opts:
-            opt.step()
-            opt.zero_grad()
-        out["param_diff"].append(max_diff(list(eager.parameters()), list(model.parameters())))
+        record_step(out, eager, model, opts)
     for m in (eager, model):  # then reshard_after_forward differs inside the bucket: re-planned too
         m.layers[1].set_requires_gradient_sync(True, recurse=False)
         m.layers[1].set_reshard_after_forward(False, recurse=False)
@@ -148,7 +126,7 @@ def mixed_sync_worker(rank, world_size):
 
 
 def test_auto_buckets_follow_gradient_sync(results):
-    for rank, r in enumerate(_scenario(results, "mixed_sync")):
+    for rank, r in enumerate(scenario(results, "mixed_sync")):
         assert all(le == lc for le, lc in r["losses"]), (rank, r["losses"])
         assert max(r["grad_diff"]) == 0.0 and max(r["param_diff"]) == 0.0, (rank, r)
         merged = r["units"][0]  # all alike
@@ -209,7 +187,7 @@ def settings_worker(rank, world_size):
 
 
 def test_settings_after_compile(results):
-    for rank, r in enumerate(_scenario(results, "settings")):
+    for rank, r in enumerate(scenario(results, "settings")):
         assert all(le == lc for le, lc in r["losses"]), (rank, r["losses"])
         assert max(r["grad_diff"]) == 0.0, (rank, r["grad_diff"])
         before, after = r["backward_all_gathers"]

@@ -19,8 +19,8 @@ import functools
 import pytest
 import torch
 
-from dist_helpers import run_ranks
-from parity import Case, build, loss_fn, max_diff
+from dist_helpers import run_ranks, run_scenarios, scenario
+from parity import Case, build, loss_fn, record_step
 
 pytestmark = pytest.mark.multirank
 
@@ -62,11 +62,7 @@ def all_reduce_worker(rank, world_size, *, mp, bucket, no_sync_first):
                 out["no_grad_before_all_reduce"].append(
                     [p.grad is None for p in eager.parameters()] == [p.grad is None for p in model.parameters()]
                     and all(p.grad is None for p in model.parameters()))
-        out["grad_diff"].append(max_diff([p.grad for p in eager.parameters()], [p.grad for p in model.parameters()]))
-        for opt in opts:
-            opt.step()
-            opt.zero_grad()
-        out["param_diff"].append(max_diff(list(eager.parameters()), list(model.parameters())))
+        record_step(out, eager, model, opts)
     out["dynamo_graphs"] = len(compiled.captured.dynamo)
     out["signature"] = _signature(compiled.captured.forward + compiled.captured.backward)
     return out
@@ -96,11 +92,7 @@ def unshard_in_backward_worker(rank, world_size):
             loss = loss_fn(case, runner(x), x)
             loss.backward()
             out["losses"].append(loss.item())
-        out["grad_diff"].append(max_diff([p.grad for p in eager.parameters()], [p.grad for p in model.parameters()]))
-        for opt in opts:
-            opt.step()
-            opt.zero_grad()
-        out["param_diff"].append(max_diff(list(eager.parameters()), list(model.parameters())))
+        record_step(out, eager, model, opts)
     out["backward"] = count_collectives(compiled.captured.backward)
     from fsdp_compile._annotations import fsdp_groups
     from fsdp_compile.passes.predicates import collective_kind
@@ -118,29 +110,15 @@ ALL_REDUCE = {
 
 def setters_worker(rank, world_size):
     """Every scenario in one group of ranks; a scenario that raises is reported by name, the others still run."""
-    import traceback
-
     scenarios = {f"all_reduce-{name}": functools.partial(all_reduce_worker, **kw) for name, kw in ALL_REDUCE.items()}
     scenarios["unshard_in_backward"] = unshard_in_backward_worker
-    out = {}
-    for name, fn in scenarios.items():
-        try:
-            out[name] = fn(rank, world_size)
-        except Exception:  # noqa: BLE001 - reported to the test that owns the scenario
-            out[name] = {"error": traceback.format_exc()}
-    return out
+    return run_scenarios(scenarios, rank, world_size)
 
 
 @pytest.fixture(scope="module")
 def results():
     return run_ranks(setters_worker, 4, timeout=900)
 
-
-def _scenario(results, name: str) -> list[dict]:
-    per_rank = [r[name] for r in results]
-    for r in per_rank:
-        assert "error" not in r, r["error"]
-    return per_rank
 
 
 def _bitwise(rank, r):
@@ -151,7 +129,7 @@ def _bitwise(rank, r):
 
 @pytest.mark.parametrize("name", ALL_REDUCE)
 def test_requires_all_reduce(results, name):
-    per_rank = _scenario(results, f"all_reduce-{name}")
+    per_rank = scenario(results, f"all_reduce-{name}")
     for rank, r in enumerate(per_rank):
         _bitwise(rank, r)
         assert all(r["no_grad_before_all_reduce"]), r  # FSDP2 keeps the partial output, not .grad
@@ -171,7 +149,7 @@ def test_requires_all_reduce(results, name):
 
 
 def test_unshard_in_backward(results):
-    for rank, r in enumerate(_scenario(results, "unshard_in_backward")):
+    for rank, r in enumerate(scenario(results, "unshard_in_backward")):
         _bitwise(rank, r)
         # the blocks are re-gathered in backward, the embedding is not (as in eager); every module reduce-scatters
         assert r["regathered"] == ["layers.0", "layers.1"], r["regathered"]
