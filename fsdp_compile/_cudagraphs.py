@@ -118,6 +118,8 @@ def aot_eager_compiler(kind: str, gm: torch.fx.GraphModule, inputs: list, gate: 
     static = backward_static_inputs(gm) if backward else forward_static_inputs()
     reasons = gate.decide(kind, gm, static)
     gate.record(kind, reasons)
+    if reasons and not backward:
+        device_index[0] = None  # this forward runs outside the trees: its backward must not tell them it runs
     if reasons:
         if backward and device_index[0] is not None:  # the forward was captured: tell its tree we run the backward
             manager = get_manager(device_index[0], create_if_none_exists=False)
