@@ -319,6 +319,7 @@ def test_explain_fills_estimates():
         config = fc.CompileConfig(backend="aot_eager", bucket="auto", reorder=True, hardware="h100-nvlink")
         report = fc.explain(llama(4), tokens(), config=config)
     assert report.hardware == "h100-nvlink"
+    assert report.cudagraphs == []  # decided only with cudagraphs=True (tests/test_cudagraphs.py)
     assert 0 < report.est_step_ms <= report.eager_est_step_ms
     assert 0 <= report.est_exposed_comm_ms <= report.eager_est_exposed_comm_ms
     planned = report.schedule["predicted"]["planned"]
