@@ -11,15 +11,21 @@ Here, per compiled call:
 * eagerly, just outside the graph where ``to_local()`` is taken (``prepare``): ``fsdp_pre_all_gather`` runs
   under ``no_grad``, as in FSDP2. Outside, because it is free to do what a graph cannot hold: torchao's
   float8 all-reduces the weight's amax over ``mesh`` with an eager collective, and its metadata may be any
-  Python object. Its tensors (inputs, tensors in the metadata) enter the graph as inputs; the rest of the
-  metadata (structure and non-tensor leaves) is part of the key the compiled step is looked up by
-  (``Key``), so new metadata compiles anew (on this rank alone: no collective) and is never reused stale;
+  Python object. It runs on the parameter's own local tensor, as in FSDP2: torchao keeps the scale of
+  ``precompute_float8_dynamic_scale_for_fsdp`` there, which a view of it drops. Its tensors (inputs, tensors
+  in the metadata) enter the graph as inputs; the rest of the metadata (structure and non-tensor leaves) is
+  part of the key the compiled step is looked up by (``Key``), so new metadata compiles anew (on this rank
+  alone: no collective) and is never reused stale;
 * in the graph: the unit's ``fsdp_compile::unshard`` gathers those inputs with its plain parameters in one
   all-gather (``ops.py``: one buffer, as bytes where dtypes differ, as FSDP2's ``foreach_all_gather``
   packs them), ``fsdp_post_all_gather`` rebuilds the parameter from the gathered outputs under ``no_grad``,
   and ``Attach`` hands its gradient to the op's backward, which reduce-scatters it with the unit's other
   gradients. The op sees a stand-in for the shard (``ShardGrad``: no memory, stride 0) whose gradient goes
-  to the local shard, hence to the DTensor's ``.grad``, as FSDP2's post-backward sets it.
+  to the local shard, hence to the DTensor's ``.grad``, as FSDP2's post-backward sets it;
+* a parameter that was a DTensor before ``fully_shard`` (TP, e.g. torchao's ``Float8ColwiseParallel`` /
+  ``Float8RowwiseParallel``): what ``fsdp_post_all_gather`` rebuilt (its TP-local tensor) is wrapped as the
+  DTensor of its TP plan, as FSDP2's ``init_unsharded_param`` wraps it (``capture.forward``), and its
+  gradient comes back through that DTensor's backward, as any TP parameter's.
 
 float8 payloads (torchao's ``WeightWithDynamicFloat8CastTensor``) always travel as bytes: gloo has no float8
 type, so eager FSDP2 fails where every parameter of a module is float8, and the op does not. A parameter
@@ -28,9 +34,9 @@ one call at plan time, ``read_spec``) makes its block compile inline, not as a r
 ``invoke_subgraph`` takes no subclass operands (``capture.inline_reason``).
 
 Refused, naming the parameter: a subclass without ``__tensor_flatten__`` (its ``fsdp_post_all_gather``
-runs on it inside the graph), parameters that were DTensors before ``fully_shard`` (TP), an int
-``reshard_after_forward`` (FSDP2 refuses it too), and metadata whose non-tensor leaves are not plain
-constants. ``fsdp_post_all_gather`` is never called with ``out=``: each step builds its tensor anew.
+runs on it inside the graph), an int ``reshard_after_forward`` (FSDP2 refuses it too), and metadata
+whose non-tensor leaves are not plain constants. ``fsdp_post_all_gather`` is never called with ``out=``:
+each step builds its tensor anew.
 """
 
 from __future__ import annotations
@@ -50,7 +56,7 @@ from fsdp_compile._layout import padded_rows
 _CONSTANTS = (type(None), bool, int, float, str, torch.dtype, torch.Size)
 
 
-def read_spec(where: str, local: Tensor, args: tuple, parallel: bool, post_forward: bool, world_size: int):
+def read_spec(where: str, local: Tensor, args: tuple, post_forward: bool, world_size: int):
     """The plan's ``ExtensionSpec`` of one parameter (``plan._read_group``), or a ``NotImplementedError``
     that names it and why."""
     from fsdp_compile._param_specs import ExtensionSpec
@@ -60,8 +66,6 @@ def read_spec(where: str, local: Tensor, args: tuple, parallel: bool, post_forwa
     if not hasattr(type(local), "__tensor_flatten__"):
         why = (f"its local shard, a {kind}, has no __tensor_flatten__: fsdp_post_all_gather runs on it inside the "
                "graph, which needs a traceable wrapper subclass (__tensor_flatten__ / __tensor_unflatten__)")
-    elif parallel:
-        why = "it was a DTensor before fully_shard (tensor or expert parallelism)"
     elif post_forward:
         why = "reshard_after_forward is an int (FSDP2 itself cannot reshard an extension's parameter to a smaller mesh)"
     n_args = len(inspect.signature(local.fsdp_pre_all_gather).parameters)
@@ -272,13 +276,16 @@ def prepare(units_params: list[list], units_plans: list[list], world_size_of, cu
             key.append(None)
             continue
         unit_shards, unit_tensors, layouts = [], [], []
-        for pp, local in zip(plans, locals_):
+        for pp, param, local in zip(plans, params, locals_):
             if pp.extension is None:
                 unit_shards.append(local)
                 layouts.append(None)
                 continue
             where = f"parameter {pp.fqn!r}"
-            inputs, metadata = pre_all_gather(where, local, pp.extension, world_size_of(pp))
+            # on the parameter's own local tensor, as FSDP2 calls it: a view of it (``local``) is a new
+            # WeightWithDynamicFloat8CastTensor without the scale precompute_float8_dynamic_scale_for_fsdp set
+            # on it, whose fsdp_pre_all_gather all-reduces the amax over FSDP's mesh alone (under TP, another scale)
+            inputs, metadata = pre_all_gather(where, param._local_tensor, pp.extension, world_size_of(pp))
             leaves, spec = _flatten_metadata(where, metadata)
             unit_shards.append(ShardGrad.apply(local))
             unit_tensors += [local.detach(), *inputs, *(x for x in leaves if isinstance(x, Tensor))]

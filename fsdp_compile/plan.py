@@ -439,8 +439,8 @@ def _read_group(fqn: str, layout: _fsdp2.Layout, settings: Settings, canonical: 
         if fp.all_gather_extension:
             from fsdp_compile import _extensions
 
-            extension = _extensions.read_spec(where_p, local, fp.pre_all_gather_args, parallel is not None,
-                                              layout.post_forward is not None, world_size)
+            extension = _extensions.read_spec(where_p, local, fp.pre_all_gather_args, layout.post_forward is not None,
+                                              world_size)
         places = tuple(f"{module_names[m]}.{a}".lstrip(".") for m, a in fp.places if m in module_names)
         params.append(ParamPlan(canonical[param], full, local.shape[0], param.dtype, param.requires_grad, matmul,
                                 parallel, extension, places))

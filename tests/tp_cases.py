@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
 
 from fsdp_compile.models import Llama, LlamaArgs, tensor_parallel
@@ -45,6 +45,9 @@ class TPCase:
     # which FSDP2's lazy init then points at the one); "before": tied again between the TP plan and fully_shard
     tied: str | None = None
     micro: int = 1  # backward calls per optimizer step, each reduce-scattered into .grad (torchtitan's accumulation)
+    # mlp: torchao's float8 Linears with FSDP2's float8 all-gather, TP by torchao's Float8ColwiseParallel /
+    # Float8RowwiseParallel (emulated matmuls: they run on a CPU); the head stays a plain Linear
+    float8: bool = False
 
     @property
     def name(self) -> str:
@@ -63,6 +66,8 @@ class TPCase:
             parts.append(f"tied_{self.tied}")
         if self.micro > 1:
             parts.append(f"micro{self.micro}")
+        if self.float8:
+            parts.append("float8")
         return "-".join(parts)
 
 
@@ -205,8 +210,13 @@ def build(case: TPCase):
     mesh = mesh_for(case)
     torch.manual_seed(0)
     if case.model == "mlp":
-        m = MLP()
+        m = MLP(hidden=32 if case.float8 else 24)  # torchao's float8 needs dims that are multiples of 16
         blocks = list(m.blocks)
+        if case.float8:
+            from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+            config = Float8LinearConfig(enable_fsdp_float8_all_gather=True, emulate=True)
+            convert_to_float8_training(m, config=config, module_filter_fn=lambda _, fqn: fqn != "head")
     else:
         m = Llama(LlamaArgs(n_layers=2, tie_embeddings=case.tied is not None))
         blocks = list(m.layers)
@@ -220,7 +230,12 @@ def build(case: TPCase):
     if case.model == "mlp":
         for b in m.blocks:
             inner = b._checkpoint_wrapped_module if case.ac else b
-            parallelize_module(inner, tp_mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+            if case.float8:  # the block's input cast to float8 once, before its Linears (torchtitan's recipe)
+                from torchao.float8.float8_tensor_parallel import PrepareFloat8ModuleInput
+
+                parallelize_module(inner, tp_mesh, PrepareFloat8ModuleInput(
+                    input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)))
+            parallelize_module(inner, tp_mesh, _mlp_tp_plan(case.float8))
     else:
         tensor_parallel(_unwrapped(m, case.ac), tp_mesh, loss_parallel=True)
         if case.tied == "before":  # parallelize_module distributed each alias into a parameter of its own
@@ -239,6 +254,14 @@ def build(case: TPCase):
     if case.tied == "after":
         m.output.weight = m.tok_embeddings.weight
     return m, mesh
+
+
+def _mlp_tp_plan(float8: bool) -> dict:
+    if not float8:
+        return {"0": ColwiseParallel(), "2": RowwiseParallel()}
+    from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+
+    return {"0": Float8ColwiseParallel(), "2": Float8RowwiseParallel()}
 
 
 def _unwrapped(m, ac: bool):
@@ -305,6 +328,11 @@ def run_tp_case(case: TPCase) -> dict:
         for opt in (opt_e, opt_c):
             opt.step()
             opt.zero_grad()
+        if case.float8:  # the next step's weight scales, from one all-reduce of the weights' amax (torchtitan's order)
+            from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+            for m in (eager, model):
+                precompute_float8_dynamic_scale_for_fsdp(m)
         out["param_diff"].append(max_diff(list(eager.parameters()), list(model.parameters())))
     if case.dcp:
         out["dcp"] = _dcp_round_trip(case, compiled, model)
@@ -319,6 +347,15 @@ def run_tp_case(case: TPCase) -> dict:
     graphs = compiled.captured.forward[:1] + compiled.captured.backward[:1]
     out["by_mesh_dim"] = collectives_by_mesh_dim(graphs, dims)
     out["moves"] = sum(len(r.moves) for r in compiled.captured.records)
+    if case.float8:  # what FSDP's all-gathers carry: each block's float8 weights at one byte per element
+        out["dp_gathers"] = [(str(n.args[0].meta["val"].dtype), n.args[0].meta["val"].nbytes)
+                             for n in graphs[0].graph.nodes if collective_kind(n) and dims.get(process_group_name(n)) == "dp"
+                             and n.target is torch.ops._c10d_functional.all_gather_into_tensor.default]
+        out["plan_bytes"] = {g.fqn: g.unsharded_bytes for g in compiled.plan.groups}
+        block = model.blocks[0]
+        itemsize = 2 if case.mp == "bf16" else 4
+        out["float8_block_bytes"] = sum(p.to_local().numel() * (1 if p.dim() == 2 else itemsize) for p in block.parameters())
+        out["local_types"] = sorted({type(p.to_local()).__name__ for p in model.parameters()})
     # what every rank must issue alike: each collective's kind, mesh dim and group size, in graph order
     out["collectives"] = [
         [(collective_kind(n), dims.get(process_group_name(n)), world_size(n)) for n in g.graph.nodes if collective_kind(n)]

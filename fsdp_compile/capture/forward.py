@@ -76,11 +76,14 @@ def traced_forward(
         with annotate(UNSHARD, unit.members, i):  # part of the unit's unshard chain (re-gathered for reshard_after_forward)
             for p, layout in zip(unit.params, key[i]):
                 if layout is None:
-                    full[p.fqn] = next(outs)
-                    continue
-                outputs = [next(outs) for _ in range(layout.n_inputs)]
-                full[p.fqn] = _extensions.post_all_gather(
-                    selves.pop(0), outputs, metadatas.pop(0), next(outs), unit.param_dtype or p.orig_dtype, p.extension, p.fqn)
+                    t = next(outs)
+                else:
+                    outputs = [next(outs) for _ in range(layout.n_inputs)]
+                    t = _extensions.post_all_gather(
+                        selves.pop(0), outputs, metadatas.pop(0), next(outs), unit.param_dtype or p.orig_dtype, p.extension, p.fqn)
+                # a TP parameter's rebuilt local tensor (torchao's Float8TrainingTensor) as its TP DTensor, as FSDP2's
+                # init_unsharded_param wraps what fsdp_post_all_gather returns
+                full[p.fqn] = t if p.parallel is None else _as_dtensor(t, p.parallel)
     return call_with(model, places, full, args, kwargs)
 
 
