@@ -71,7 +71,7 @@ class BucketKey(NamedTuple):
 class GroupPlan:
     """One FSDP parameter group: one all-gather in forward, one reduce-scatter in backward (as eager)."""
 
-    fqn: str  # the FSDP module's FQN ("" for the root)
+    fqn: str  # the FSDP module's FQN ("" for the root); a module's further parameter groups: group_keys
     params: tuple[ParamPlan, ...]
     group_name: str  # c10d process group name used by the functional collectives
     world_size: int
@@ -262,13 +262,21 @@ def settings_key(groups) -> tuple[tuple[str, Settings], ...]:
 
 
 def param_groups(model: nn.Module) -> list:
-    """``[(fqn, state, param group)]`` of every FSDP module that manages parameters, in pre-order."""
-    out = []
-    for fqn, _, state in fsdp_states(model):
-        groups = _fsdp2.param_groups(state)
-        if groups:
-            out.append((fqn, state, groups[0]))
-    return out
+    """``[(group key, state, param group)]`` of every FSDP parameter group, in pre-order (``group_keys``)."""
+    return [(key, state, pg) for fqn, _, state in fsdp_states(model)
+            for key, pg in zip(group_keys(fqn, _fsdp2.param_groups(state)), _fsdp2.param_groups(state))]
+
+
+def group_keys(fqn: str, pgs: list) -> list[str]:
+    """The names of an FSDP module's parameter groups in the plan (``GroupPlan.fqn``), the schedule's units,
+    the annotations and the setters' records: its FQN for its first group, so a module of one group is named
+    as before; for each further one (``shard_placement_fn`` putting parameters on another mesh: torchtitan's
+    routed experts on efsdp) FQN@its mesh's shard dim name (``"layers.1@efsdp"``), or @its index."""
+    keys = [fqn]
+    for i, pg in enumerate(pgs[1:], start=1):
+        key = f"{fqn}@{_fsdp2.layout(pg).shard_dim_name or i}"
+        keys.append(key if key not in keys else f"{fqn}@{i}")
+    return keys[:len(pgs)]
 
 
 def check_ranks_agree(plan: ShardingPlan, config_items: list[tuple[str, object]] = ()) -> None:
@@ -316,27 +324,30 @@ def read_plan(model: nn.Module) -> ShardingPlan:
                 lookup_only[p] = lookup_only.get(p, True) and isinstance(module, (nn.Embedding, nn.EmbeddingBag))
     module_names = {m: n for n, m in reversed(list(nn.Module.named_modules(model, remove_duplicate=False)))}
     states = fsdp_states(model)
-    fqn_of_state = {state: fqn for fqn, _, state in states}
+    keys_of_state = {state: group_keys(fqn, _fsdp2.param_groups(state)) for fqn, _, state in states}
     groups = []
     devices = set()
     for fqn, module, state in states:
         pgs = _fsdp2.param_groups(state)
-        if len(pgs) > 1:
+        if len(pgs) > 1 and any(inside(f, fqn) for f, _, _ in states):
             raise NotImplementedError(
-                f"FSDP module {fqn!r} has {len(pgs)} parameter groups (per-parameter meshes from "
-                "shard_placement_fn): not supported under fsdp_compile.compile yet"
+                f"FSDP module {fqn or '<root>'!r} has {len(pgs)} parameter groups (per-parameter meshes from "
+                "shard_placement_fn) and holds other FSDP modules: not supported under fsdp_compile.compile yet; "
+                "give the other mesh's parameters an FSDP module of their own (fully_shard(submodule, mesh=...)), "
+                "or use shard_placement_fn on modules that hold no FSDP module (torchtitan's MoE blocks)"
             )
-        if not pgs:
-            continue
-        layout = _fsdp2.layout(pgs[0])
-        group = _read_group(fqn, layout, _fsdp2.settings(state, pgs[0]), canonical, lookup_only, module_names)
+        # FSDP2 gathers a module's groups in order and reduce-scatters them in reverse (the schedule's orders);
+        # a state's forward prefetch is issued at its first group's start, its backward one at its last group's
+        keys = group_keys(fqn, pgs)
         forward, backward = _fsdp2.prefetch(state)
-        groups.append(dataclasses.replace(
-            group,
-            forward_prefetch=tuple(fqn_of_state[s] for s in forward),
-            backward_prefetch=tuple(fqn_of_state[s] for s in backward),
-        ))
-        devices.add(layout.device)
+        forward = tuple(k for s in forward for k in keys_of_state[s])
+        backward = tuple(k for s in backward for k in reversed(keys_of_state[s]))
+        for i, (key, pg) in enumerate(zip(keys, pgs)):
+            layout = _fsdp2.layout(pg)
+            group = _read_group(key, layout, _fsdp2.settings(state, pg), canonical, lookup_only, module_names)
+            groups.append(dataclasses.replace(
+                group, forward_prefetch=forward if i == 0 else (), backward_prefetch=backward if i == len(pgs) - 1 else ()))
+            devices.add(layout.device)
     if len(devices) > 1:
         raise ValueError(f"FSDP groups live on different devices {sorted(map(str, devices))}; use one device per rank")
     if not groups:

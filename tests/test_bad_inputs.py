@@ -94,6 +94,20 @@ def shard_dim_1():
     return llama(shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 else None)
 
 
+def per_param_mesh_root():
+    """The root's output head on a 4-rank mesh by shard_placement_fn (two parameter groups) around its blocks."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
+    from torch.distributed.tensor import Shard
+
+    head = FSDPMeshInfo(init_device_mesh("cpu", (4, 2), mesh_dim_names=("efsdp", "ep"))["efsdp"], shard_mesh_dim=0)
+    torch.manual_seed(0)
+    m = Llama(LlamaArgs(n_layers=2))
+    output = m.output.weight
+    place = lambda p: ShardPlacementResult(placement=Shard(0), mesh_info=head) if p is output else None  # noqa: E731
+    return shard(m, m.layers, root_kwargs={"shard_placement_fn": place})
+
+
 def offloaded_on_accelerator():
     """CPUOffloadPolicy on a model whose FSDP2 device is an accelerator. No accelerator here: the CPU model's
     param groups are told theirs is ``cuda``, which is all the refusal reads."""
@@ -185,6 +199,8 @@ ROWS = [
      r"reshard_after_forward=2 \(an int\) with parameter '0.weight' a DTensor .*FSDP2 itself does not support"),
     ("dp_mesh_dims", compile_(spmd_mesh_llama), NotImplementedError, r"dp_mesh_dims=\.\.\.\) .*pass the data-parallel mesh"),
     ("Shard(1) placements", compile_(shard_dim_1), NotImplementedError, r"only Shard\(0\) placements"),
+    ("per-parameter meshes around FSDP modules", compile_(per_param_mesh_root), NotImplementedError,
+     r"FSDP module '<root>' has 2 parameter groups \(per-parameter meshes from shard_placement_fn\) and holds other"),
     ("offload on an accelerator", compile_(offloaded_on_accelerator), NotImplementedError,
      r"offload_policy=CPUOffloadPolicy\(\) on cuda is not supported .*train it with eager FSDP2, or drop the offload"),
     # FSDP2 setters we cannot compile: refused naming the setter (set after compile: at the next call)

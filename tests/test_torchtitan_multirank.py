@@ -125,11 +125,14 @@ TP = TitanCase(model="llama3", tp=2, steps=2)
 # enable_weight_tying under TP: its TP plan distributes tok_embeddings and lm_head apart, fully_shard makes them
 # two FSDP parameters and init_states ties them again, which eager FSDP2 reduce-scatters one by one
 TP_TIED = TitanCase(model="llama3", tp=2, steps=2, tied=True)
+# expert_parallel_degree 2 (dp_shard 4, efsdp 2 x ep 2): one dense block, one MoE block whose routed experts
+# parallelize_deepseekv3 keeps in the block's FSDP module on the efsdp mesh (two FSDP2 parameter groups)
+EP = TitanCase(model="deepseek_v3", ep=2, steps=2)
 
 
 @pytest.fixture(scope="module")
 def tp_results():
-    return run_ranks(titan_worker, 4, [TP, TP_TIED], timeout=600)
+    return run_ranks(titan_worker, 4, [TP, TP_TIED, EP], timeout=900)
 
 
 @pytest.mark.parametrize("case", [TP, TP_TIED], ids=lambda c: c.name)
@@ -146,3 +149,27 @@ def test_torchtitan_tensor_parallel(tp_results, case):
         assert r["norm_eager"] == r["norm_compiled"], (rank, r["norm_eager"], r["norm_compiled"])
         for key in ("grad_diff", "param_diff", "buffer_diff"):
             assert max(r[key]) == 0.0, (rank, key, r[key])
+
+
+def test_torchtitan_expert_parallel(tp_results):
+    """torchtitan's DeepSeek-V3 with expert parallelism, sharded by its own ``parallelize_deepseekv3`` on 4 ranks:
+    the MoE block's routed experts (DTensors Shard(0) on ep, their all-to-all dispatch of data-dependent sizes
+    traced) are its second FSDP2 parameter group, on the 2-rank efsdp mesh. Each group is its own unit, gathered
+    and reduce-scattered over its own group with its own divide factors: bitwise like eager FSDP2, the MoE token
+    counters and torchtitan's load-balancing hook too."""
+    from torchtitan_cases import BATCH, SEQ
+
+    for rank, r in _ok(tp_results, EP):
+        assert r["param_meshes"] == ["('efsdp', 'ep')", "('fsdp',)"], r["param_meshes"]  # EP is on
+        assert r["group_sizes"] == {"tok_embeddings": 4, "layers.0": 4, "layers.1": 4, "layers.1@efsdp": 2,
+                                    "norm": 4}, r["group_sizes"]
+        assert ["layers.1"] in r["units"] and ["layers.1@efsdp"] in r["units"], r["units"]
+        assert r["dynamo_graphs"] == 1, (rank, r["dynamo_graphs"])
+        assert r["loss_eager"] == r["loss_compiled"], (rank, r["loss_eager"], r["loss_compiled"])
+        assert r["norm_eager"] == r["norm_compiled"], (rank, r["norm_eager"], r["norm_compiled"])
+        for key in ("grad_diff", "counter_diff", "param_diff", "buffer_diff"):
+            assert max(r[key]) == 0.0, (rank, key, r[key])
+        counts = r["tokens_per_expert"]["compiled"]
+        assert list(counts) == ["layers.1.moe.tokens_per_expert_E"]  # each rank's own tokens, top-3 of 8 experts
+        assert sum(sum(c) for c in counts.values()) == BATCH * SEQ * 3, counts
+        assert r["expert_bias"] > 0.0

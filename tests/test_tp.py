@@ -141,3 +141,68 @@ def test_tied_weights_reduced_as_eager(tied):
     else:
         assert heads == [("tok_embeddings.weight", ())]
         assert grads[0].target == torch.ops.aten.add.Tensor  # summed by autograd before the reduce-scatter
+
+
+def _per_param_mesh_llama():
+    """Each block's feed-forward weights on a 4-rank mesh (the efsdp dim of (efsdp, ep), as torchtitan's experts),
+    the rest of the block over all 8 ranks, by ``shard_placement_fn``: two FSDP2 parameter groups per block."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
+
+    from models import Llama, LlamaArgs
+
+    dp = init_device_mesh("cpu", (8,), mesh_dim_names=("fsdp",))
+    sparse = init_device_mesh("cpu", (4, 2), mesh_dim_names=("efsdp", "ep"))
+    torch.manual_seed(0)
+    m = Llama(LlamaArgs(n_layers=2))
+    infos = FSDPMeshInfo(sparse["efsdp"], shard_mesh_dim=0), FSDPMeshInfo(dp, shard_mesh_dim=0)  # one object per mesh
+    for block in m.layers:
+        experts = set(block.feed_forward.parameters())
+
+        def place(p, experts=experts):
+            return ShardPlacementResult(placement=Shard(0), mesh_info=infos[0] if p in experts else infos[1])
+
+        fully_shard(block, mesh=dp, shard_placement_fn=place)
+    fully_shard(m, mesh=dp)
+    return m
+
+
+def test_per_parameter_meshes_one_unit_per_group():
+    """A module whose parameters FSDP2 keeps on two meshes (torchtitan's MoE blocks under expert parallelism)
+    is two groups, named by the module and module@mesh dim: each one all-gather over its own process group,
+    in FSDP2's order (forward: the module's groups in order; backward: reversed), bucketed only with groups of
+    its own mesh, and FSDP2's setters apply to both. Bitwise against eager FSDP2: torchtitan's DeepSeek-V3 with
+    expert parallelism, ``test_torchtitan_multirank``."""
+    with fake_process_group(8, rank=1):
+        model = _per_param_mesh_llama()
+        tokens = torch.randint(0, 256, (2, 16))
+        report = fc.explain(model, tokens, config=fc.CompileConfig(backend="aot_eager", bucket="auto"))
+        compiled = fc.compile(model, backend="aot_eager", bucket="fsdp_group", reorder=False)
+        compiled(tokens).float().sum().backward()
+        model.layers[0].set_reshard_after_forward(False)
+        model.layers[0].set_modules_to_forward_prefetch([model.layers[1]])
+        model.layers[1].set_modules_to_backward_prefetch([model.layers[0]])
+        compiled(tokens).float().sum().backward()
+        plan, fw, bw = compiled.plan, compiled.captured.forward[0].graph, compiled.captured.backward[0].graph
+        units = [u.members for u in compiled.schedule.units]
+        issue_at = {u.members[0]: units[u.issue_at][0] for u in compiled.schedule.units}
+    keys = ["", "layers.0", "layers.0@efsdp", "layers.1", "layers.1@efsdp"]
+    assert [g.fqn for g in plan.groups] == keys
+    assert {g.fqn: g.world_size for g in plan.groups} == {k: 4 if "@" in k else 8 for k in keys}
+    assert {p.fqn.rsplit(".", 2)[1] for p in plan.group("layers.1@efsdp").params} == {"w1", "w2", "w3"}
+    for bucket in report.buckets:  # "auto" never joins groups of two meshes
+        assert len({"@" in g for g in bucket.groups}) == 1, bucket
+    gathers = [n.meta["custom"]["fsdp_compile"]["group"] for n in fw.nodes
+               if n.target == torch.ops._c10d_functional.all_gather_into_tensor.default]
+    assert gathers == keys
+    reduces = [n.meta["custom"]["fsdp_compile"]["group"] for n in bw.nodes
+               if n.target == torch.ops._c10d_functional.reduce_scatter_tensor.default]
+    assert reduces == ["layers.1@efsdp", "layers.1", "layers.0@efsdp", "layers.0", ""]
+    # the setters, called on the module, are read for both its groups: a new plan at the next call. A prefetch
+    # list gathers every group of its targets, from its module's first group in forward, its last in backward
+    assert [g.reshard_after_forward for g in plan.groups] == [False, False, False, True, True]
+    assert {g.fqn: (g.forward_prefetch, g.backward_prefetch) for g in plan.groups if "layers" in g.fqn} == {
+        "layers.0": (("layers.1", "layers.1@efsdp"), ()), "layers.0@efsdp": ((), ()),
+        "layers.1": ((), ()), "layers.1@efsdp": ((), ("layers.0@efsdp", "layers.0"))}
+    assert units == [(k,) for k in keys] and issue_at["layers.1"] == issue_at["layers.1@efsdp"] == "layers.0"

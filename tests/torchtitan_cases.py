@@ -61,6 +61,9 @@ class TitanCase:
     loss: str = "ce"  # "ce": CrossEntropyLoss | "chunked": ChunkedLossWrapper (lm_head run by the loss)
     tp: int = 1  # tensor_parallel_degree: torchtitan's apply_tp (sequence parallel, loss parallel)
     tied: bool = False  # enable_weight_tying (Llama3 1B and 3B, Qwen3): tok_embeddings.weight is lm_head.weight
+    # expert_parallel_degree (DeepSeek-V3): routed experts sharded over ep, kept in their block's FSDP module on
+    # the efsdp mesh (FSDP2's per-parameter meshes: two parameter groups in each MoE block)
+    ep: int = 1
 
     @property
     def name(self) -> str:
@@ -75,6 +78,8 @@ class TitanCase:
             parts.append(f"tp{self.tp}")
         if self.tied:
             parts.append("tied")
+        if self.ep > 1:
+            parts.append(f"ep{self.ep}")
         return "-".join(parts)
 
 
@@ -112,11 +117,12 @@ def _on_cpu():
         module.device_type = "cpu"
 
 
-def _parallel_dims(world_size: int, tp: int = 1):
+def _parallel_dims(world_size: int, tp: int = 1, ep: int = 1):
     from torchtitan.config import ParallelismConfig
     from torchtitan.distributed import ParallelDims
 
-    parallelism = ParallelismConfig(spmd_backend="partial_dtensor", tensor_parallel_degree=tp)
+    parallelism = ParallelismConfig(spmd_backend="partial_dtensor", tensor_parallel_degree=tp,
+                                    expert_parallel_degree=ep)
     dims = ParallelDims.from_config(parallelism, world_size)
     dims.build_mesh()
     return dims, parallelism
@@ -158,6 +164,11 @@ def build(case, dims, parallelism, dump_folder: str):
 
         assert case.model == "llama3", "the TP cases use torchtitan's Llama3 plan"
         set_llama3_sharding_config(cfg, enable_sp=parallelism.enable_sequence_parallel)
+    if case.ep > 1:  # what update_from_config does for EP: torchtitan's own DeepSeek-V3 plan (experts on ep)
+        from torchtitan.models.deepseek_v3.sharding import set_deepseek_v3_sharding_config
+
+        assert case.model == "deepseek_v3", "the EP case uses torchtitan's DeepSeek-V3 plan"
+        set_deepseek_v3_sharding_config(cfg, enable_sp=parallelism.enable_sequence_parallel, enable_ep=True)
     training = TrainingConfig(local_batch_size=BATCH, seq_len=SEQ)
     ac_config = None
     if case.ac == "selective":
@@ -289,6 +300,8 @@ def run_case(case: TitanCase, rank: int, world_size: int, dims, parallelism, tmp
         out["update_cos"].append((de @ dc / (de.norm() * dc.norm())).item())
     out["expert_bias"] = sum(float(b.abs().sum()) for n, b in comp.named_buffers() if n.endswith("expert_bias_E"))
     out["dynamo_graphs"] = len(compiled.captured.dynamo)
+    out["units"] = [list(u.members) for u in compiled.schedule.units]
+    out["group_sizes"] = {g.fqn: g.world_size for g in compiled.plan.groups}
     out["regions"] = compiled.regions()
     out["param_meshes"] = sorted({str(p.device_mesh.mesh_dim_names) for p in comp.parameters()})
     out["param_dtype"] = str(eager.layers["0"]._get_fsdp_state()._fsdp_param_group.mp_policy.param_dtype)
@@ -301,10 +314,13 @@ def titan_worker(rank: int, world_size: int, cases: list[TitanCase]) -> dict:
     from torch._dynamo.utils import counters
 
     _on_cpu()
-    dims, parallelism = _parallel_dims(world_size, max(c.tp for c in cases))
+    meshes = {}  # per (tp, ep): the same meshes on every rank, built in the same order
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for case in cases:
+            if (case.tp, case.ep) not in meshes:
+                meshes[case.tp, case.ep] = _parallel_dims(world_size, case.tp, case.ep)
+            dims, parallelism = meshes[case.tp, case.ep]
             before = sum(counters["graph_break"].values())
             try:
                 results[case.name] = run_case(case, rank, world_size, dims, parallelism, tmp)

@@ -57,7 +57,8 @@ def find_repeated_blocks(model: nn.Module, plan: ShardingPlan) -> list[list[str]
     modules = dict(model.named_modules())
     kinds: dict[tuple, list[str]] = {}
     for g in plan.groups:
-        if g.fqn == "" or plan.has_fsdp_children(g.fqn):
+        # not a module's only group (per-parameter meshes: plan.group_keys): its block is compiled inline
+        if g.fqn == "" or g.fqn not in modules or plan.has_fsdp_children(g.fqn):
             continue
         m = modules[g.fqn]
         # raw names: CheckpointWrapper.named_parameters() strips its own prefix
