@@ -221,7 +221,9 @@ def settings(state, pg) -> Settings:
         all_gather_comm=type(_get(pg, "_all_gather_comm")).__name__,
         reduce_scatter_comm=type(_get(pg, "_reduce_scatter_comm")).__name__,
         all_reduce_hook=_get(pg, "_all_reduce_hook") is not None,
-        separate_reduce_scatter_group=_get(pg, "_reduce_scatter_process_group") is not _get(pg, "_all_gather_process_group"),
+        # FSDP2's DDP (dp_mesh_dims without a shard dim) has neither group: plan.py refuses it by its layout
+        separate_reduce_scatter_group=not _replicate_only(pg) and (
+            _get(pg, "_reduce_scatter_process_group") is not _get(pg, "_all_gather_process_group")),
         forward_prefetch=tuple(id(s) for s in forward),
         backward_prefetch=tuple(id(s) for s in backward),
     )
@@ -238,6 +240,9 @@ class Param:
     # a DTensor before fully_shard (tensor / expert parallelism): its spec (mesh, placements, global shape
     # and stride), which the gathered local tensor is wrapped in again, as FSDP2's init_unsharded_param does
     unsharded_spec: object | None
+    # dp_mesh_dims: the unsharded spec's data-parallel dims (FSDP2's _dp_dim_indices), where a gradient keeps the
+    # placement it has for FSDP's reduce-scatter (FSDP2's _get_grad_inner_tensor redistributes the other dims only)
+    dp_dims: tuple[int, ...]
     all_gather_extension: bool  # the local shard implements fsdp_pre_all_gather (float8, ...)
     # what FSDP2 passes an extension's fsdp_pre_all_gather after the shard: (its shard mesh, orig size, contiguous
     # orig stride, its module, its MixedPrecisionPolicy); None for a plain parameter
@@ -255,9 +260,10 @@ class Layout:
 
     device: torch.device
     offload_to_cpu: bool  # offload_policy=CPUOffloadPolicy()
-    spmd_mesh: bool  # fully_shard(..., dp_mesh_dims=...), or a mesh that is not FSDP's (replicate only)
+    spmd_mesh: bool  # fully_shard(..., dp_mesh_dims=...): parameters are DTensors on the full SPMD mesh
+    replicate_only: bool  # a data-parallel mesh without a shard dim (dp_mesh_dims=...(replicate=...) only: DDP)
     shard_mesh_rank: int
-    all_gather_group: object  # ProcessGroup
+    all_gather_group: object  # ProcessGroup (None: replicate_only)
     all_reduce_group: object | None  # HSDP: the replicate dimension's ProcessGroup
     post_forward: tuple[object, int, int] | None  # an int reshard_after_forward: (ProcessGroup, size, rank)
     reduce_dtype: torch.dtype | None  # MixedPrecisionPolicy.reduce_dtype as FSDP2 resolved it
@@ -272,11 +278,15 @@ def _places(info) -> tuple[tuple[nn.Module, str], ...]:
     return ((_get(info, "module"), _get(info, "param_name")), *shared)
 
 
+def _replicate_only(pg) -> bool:
+    return not isinstance(_get(pg, "mesh_info"), _private("_fsdp_common", "FSDPMeshInfo"))
+
+
 def layout(pg) -> Layout:
     """After FSDP2's lazy init (``lazy_init``), which resolves the dtypes."""
     mesh_info = _get(pg, "mesh_info")
-    fsdp_mesh_info = _private("_fsdp_common", "FSDPMeshInfo")
-    spmd = not isinstance(mesh_info, fsdp_mesh_info) or getattr(mesh_info, "is_spmd_mesh", False)
+    replicate_only = _replicate_only(pg)
+    spmd = bool(getattr(mesh_info, "is_spmd_mesh", False))
     post_forward = None
     if _get(pg, "_use_post_forward_mesh"):
         pf = _get(pg, "post_forward_mesh_info")
@@ -291,6 +301,7 @@ def layout(pg) -> Layout:
             placement=_get(fp, "fsdp_placement"),
             unsharded_shape=tuple(_get(fp, "_orig_size")),
             unsharded_spec=_get(fp, "_unsharded_dtensor_spec") if _get(fp, "is_dtensor") else None,
+            dp_dims=tuple(sorted(_get(fp, "_dp_dim_indices"))) if spmd else (),
             all_gather_extension=extension,
             pre_all_gather_args=(
                 _get(fp, "shard_mesh_from_root"), tuple(_get(fp, "_orig_size")), tuple(_get(fp, "_contiguous_orig_stride")),
@@ -301,15 +312,17 @@ def layout(pg) -> Layout:
             places=_places(_get(fp, "_module_info")),
         ))
     hsdp = _get(pg, "_is_hsdp")
-    names = (getattr(mesh_info.mesh, "mesh_dim_names", None) or ()) if not spmd else ()
+    # with dp_mesh_dims, mesh_info.mesh is the data-parallel submesh FSDP2 took (its dims flattened where several)
+    names = (getattr(mesh_info.mesh, "mesh_dim_names", None) or ()) if not replicate_only else ()
     shard_dim = getattr(mesh_info, "shard_mesh_dim", None)
     replicate_dim = getattr(mesh_info, "replicate_mesh_dim", None) if hsdp else None
     return Layout(
         device=_get(pg, "device"),
         offload_to_cpu=isinstance(_get(pg, "offload_policy"), CPUOffloadPolicy),
         spmd_mesh=spmd,
-        shard_mesh_rank=0 if spmd else mesh_info.shard_mesh_rank,
-        all_gather_group=_get(pg, "_all_gather_process_group"),
+        replicate_only=replicate_only,
+        shard_mesh_rank=0 if replicate_only else mesh_info.shard_mesh_rank,
+        all_gather_group=None if replicate_only else _get(pg, "_all_gather_process_group"),  # DDP: none
         all_reduce_group=_get(pg, "_all_reduce_process_group") if hsdp else None,
         post_forward=post_forward,
         reduce_dtype=_get(pg, "_reduce_dtype"),

@@ -20,6 +20,9 @@ class ParallelSpec:
     placements: tuple  # its placements there (Shard(0) / Shard(1) / Replicate() ...)
     shape: tuple[int, ...]  # its global shape and stride
     stride: tuple[int, ...]
+    # fully_shard(..., dp_mesh_dims=...): ``mesh`` is the full SPMD mesh, Replicate() on these data-parallel dims,
+    # where its gradient keeps whatever placement it has (Partial: FSDP's reduce-scatter sums it)
+    dp_dims: tuple[int, ...] = ()
 
     @property
     def dim_names(self) -> tuple[str, ...]:

@@ -398,11 +398,12 @@ def _read_group(fqn: str, layout: _fsdp2.Layout, settings: Settings, canonical: 
             f"{where}: offload_policy=CPUOffloadPolicy() on {layout.device.type} is not supported under "
             "fsdp_compile.compile yet (it is on CPU devices); train it with eager FSDP2, or drop the offload"
         )
-    if layout.spmd_mesh:
+    if layout.replicate_only:  # FSDP2's DDPMeshInfo: all-reduced gradients, no all-gather (none of our ops)
         raise NotImplementedError(
-            f"{where}: fully_shard(..., dp_mesh_dims=...) (parameters on a larger SPMD mesh, or a replicate-only "
-            "mesh) is not supported under fsdp_compile.compile yet; "
-            "pass the data-parallel mesh itself as mesh= (1-D, or 2-D replicate x shard for HSDP)"
+            f"{where}: fully_shard(..., dp_mesh_dims=DataParallelMeshDims(replicate=...)) without a shard dim "
+            "(replicated parameters, all-reduced gradients: DDP) is not supported under fsdp_compile.compile yet; "
+            "name a shard dim too (dp_mesh_dims=DataParallelMeshDims(shard=..., replicate=...)), or train it with "
+            "eager FSDP2"
         )
     post_forward = {}
     if layout.post_forward is not None:  # int reshard_after_forward: the post-forward group is N ranks of the shard group
@@ -445,8 +446,13 @@ def _read_group(fqn: str, layout: _fsdp2.Layout, settings: Settings, canonical: 
                     "smaller mesh after forward; use reshard_after_forward=True or False"
                 )
             spec = fp.unsharded_spec
-            parallel = ParallelSpec(spec.mesh, tuple(spec.placements), tuple(spec.shape), tuple(spec.stride))
+            parallel = ParallelSpec(spec.mesh, tuple(spec.placements), tuple(spec.shape), tuple(spec.stride), fp.dp_dims)
         extension = None
+        if fp.all_gather_extension and layout.spmd_mesh:
+            raise NotImplementedError(
+                f"{where_p}: an all-gather extension ({type(local).__name__}) with fully_shard(..., dp_mesh_dims=...) "
+                "is not supported under fsdp_compile.compile yet; pass the data-parallel mesh as mesh= instead"
+            )
         if fp.all_gather_extension:
             from fsdp_compile import _extensions
 

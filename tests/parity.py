@@ -40,6 +40,9 @@ class Case:
     inline: bool = False  # a second compiled model with regions off, checked too (the differential guard)
     offload: bool = False  # CPUOffloadPolicy(pin_memory=False) on every FSDP module
     replicate: int = 1  # > 1: a (replicate, world/replicate) mesh, HSDP (= world: FSDP1's NO_SHARD)
+    # with replicate > 1: every parameter a Replicate() DTensor on that mesh (distribute_module), fully_shard(...,
+    # dp_mesh_dims=DataParallelMeshDims(shard="shard", replicate="replicate")), the batch a DTensor sharded on both
+    spmd: bool = False
     ignored: bool = False  # the root's norm weight in ignored_params: not sharded, its gradient not reduced
     cudagraphs: bool = False  # CompileConfig.cudagraphs (CUDA only: tests/test_cuda.py)
 
@@ -57,11 +60,16 @@ class Case:
             parts.append("offload")
         if self.replicate > 1:
             parts.append(f"hsdp{self.replicate}")
+        if self.spmd:
+            parts.append("dp_mesh_dims")
         if self.ignored:
             parts.append("ignored")
         if self.cudagraphs:
             parts.append("cudagraphs")
         return "-".join(parts)
+
+
+_SPMD_MESHES: dict = {}
 
 
 def build(case: Case):
@@ -99,6 +107,15 @@ def build(case: Case):
 
         shape = (case.replicate, dist.get_world_size() // case.replicate)
         kwargs["mesh"] = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+        if case.spmd:
+            # one mesh for every model of the case: DTensor's sharding cache hands distribute_module's parameters
+            # the first equal mesh it met, and FSDP2 wants the very mesh fully_shard gets
+            kwargs["mesh"] = _SPMD_MESHES.setdefault(shape, kwargs["mesh"])
+            from torch.distributed.fsdp import DataParallelMeshDims
+            from torch.distributed.tensor import distribute_module
+
+            m = distribute_module(m, kwargs["mesh"])
+            kwargs["dp_mesh_dims"] = DataParallelMeshDims(shard="shard", replicate="replicate")
     root_kwargs = {}
     if MP[case.mp] is not None:
         kwargs["mp_policy"] = MP[case.mp]
@@ -118,10 +135,26 @@ def batch(case: Case, step: int, rank: int):
     return torch.randint(0, 32, (2, 8), generator=g)
 
 
+def spmd_input(case: Case, model, x):
+    """``case.spmd``: the batch as a DTensor sharded over every data-parallel dim of the parameters' mesh."""
+    if not case.spmd:
+        return x
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = next(model.parameters()).device_mesh
+    return DTensor.from_local(x, mesh, [Shard(0)] * mesh.ndim, run_check=False)
+
+
 def loss_fn(case: Case, out, inp):
+    if case.spmd:  # a DTensor: every rank's loss, summed
+        return out.float().pow(2).sum()
     if case.model.startswith("llama") or case.model in PATTERNS:
         return F.cross_entropy(out.flatten(0, 1).float(), inp.flatten())
     return out.float().pow(2).mean()
+
+
+def _value(loss) -> float:
+    return (loss.full_tensor() if hasattr(loss, "full_tensor") else loss).item()
 
 
 def max_diff(xs, ys) -> float:
@@ -173,16 +206,16 @@ def run_case(case: Case, rank: int, world_size: int) -> dict:
         for micro in range(case.accum):
             x = batch(case, step * case.accum + micro, rank)
             torch.manual_seed(100 + step)  # the same random numbers (dropout) for every model
-            le = loss_fn(case, eager(x), x)
+            le = loss_fn(case, eager(spmd_input(case, eager, x)), x)
             le.backward()
             losses = {}
             for name, c in compiled.items():
                 torch.manual_seed(100 + step)
-                losses[name] = loss_fn(case, c(x), x)
+                losses[name] = loss_fn(case, c(spmd_input(case, models[name], x)), x)
                 losses[name].backward()
-        out["loss_eager"].append(le.item())
+        out["loss_eager"].append(_value(le))
         for name in variants:
-            out[f"loss_{name}"].append(losses[name].item())
+            out[f"loss_{name}"].append(_value(losses[name]))
             out[f"{name}_grad_diff"].append(
                 max_diff([p.grad for p in eager.parameters()], [p.grad for p in models[name].parameters()]))
             out[f"{name}_buffer_diff"].append(max_diff(list(eager.buffers()), list(models[name].buffers())))

@@ -76,7 +76,9 @@ def partly_meta_llama():
     return shard(m, m.layers)
 
 
-def spmd_mesh_llama():
+def replicate_only_llama():
+    """dp_mesh_dims naming a replicate dim only: FSDP2's DDP (its DDPMeshInfo). A shard dim is compiled
+    (``test_torchtitan_multirank``'s full_dtensor cases)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import DataParallelMeshDims
 
@@ -85,6 +87,24 @@ def spmd_mesh_llama():
     mesh = init_device_mesh("cpu", (8,), mesh_dim_names=("dp",))
     torch.manual_seed(0)
     m = distribute_module(Llama(LlamaArgs(n_layers=2)), mesh)  # every parameter a Replicate() DTensor
+    return shard(m, m.layers, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(replicate="dp"))
+
+
+def float8_on_spmd_mesh():
+    """torchao's float8 all-gather (an FSDP2 all-gather extension) with dp_mesh_dims."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import DataParallelMeshDims
+    from torch.distributed.tensor import distribute_module
+
+    pytest.importorskip("torchao.float8", reason="torchao (the test extra) is not installed")
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    mesh = init_device_mesh("cpu", (8,), mesh_dim_names=("dp",))
+    torch.manual_seed(0)
+    m = Llama(LlamaArgs(n_layers=2))
+    config = Float8LinearConfig(enable_fsdp_float8_all_gather=True, emulate=True)
+    convert_to_float8_training(m, config=config, module_filter_fn=lambda _, fqn: fqn != "output")
+    m = distribute_module(m, mesh)
     return shard(m, m.layers, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"))
 
 
@@ -197,7 +217,10 @@ ROWS = [
     ("some parameters on meta", compile_(partly_meta_llama), ValueError, r"parameters are still on the meta device \(e.g. 'layers.1\."),
     ("int reshard_after_forward with tensor parallel", compile_(tensor_parallel_block), NotImplementedError,
      r"reshard_after_forward=2 \(an int\) with parameter '0.weight' a DTensor .*FSDP2 itself does not support"),
-    ("dp_mesh_dims", compile_(spmd_mesh_llama), NotImplementedError, r"dp_mesh_dims=\.\.\.\) .*pass the data-parallel mesh"),
+    ("dp_mesh_dims", compile_(replicate_only_llama), NotImplementedError,
+     r"dp_mesh_dims=DataParallelMeshDims\(replicate=\.\.\.\)\) without a shard dim .*name a shard dim too"),
+    ("dp_mesh_dims with float8", compile_(float8_on_spmd_mesh), NotImplementedError,
+     r"an all-gather extension \(WeightWithDynamicFloat8CastTensor\) with fully_shard\(\.\.\., dp_mesh_dims=\.\.\.\)"),
     ("Shard(1) placements", compile_(shard_dim_1), NotImplementedError, r"only Shard\(0\) placements"),
     ("per-parameter meshes around FSDP modules", compile_(per_param_mesh_root), NotImplementedError,
      r"FSDP module '<root>' has 2 parameter groups \(per-parameter meshes from shard_placement_fn\) and holds other"),

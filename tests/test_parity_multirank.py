@@ -45,6 +45,8 @@ CASES_4 = [
     Case(replicate=2),
     Case(replicate=2, mp="bf16", bucket="auto", reorder=True),
     Case(replicate=4),  # a 4x1 mesh: FSDP1's NO_SHARD (all-reduce only, gathers of one rank)
+    # the same HSDP by fully_shard(..., dp_mesh_dims=...): parameters Replicate() DTensors on the named 2x2 mesh
+    Case(model="odd", replicate=2, spmd=True),
     # int reshard_after_forward: kept sharded over 2 ranks after forward, re-gathered from them in backward
     Case(reshard=2),
     Case(model="llama_ac", reshard=2, mp="bf16", bucket="auto", reorder=True),  # with checkpointed blocks

@@ -33,12 +33,16 @@ BITWISE = [
     TitanCase(model="llama3", loss="chunked"),  # ChunkedLossWrapper, its debug config's loss: lm_head run by the loss
 ]
 DEEPSEEK_SAC = TitanCase(model="deepseek_v3", n_layers=3, ac="selective")
+# spmd_backend="full_dtensor": every parameter a DTensor on the SPMD mesh, fully_shard(..., dp_mesh_dims=...)
+FULL_DTENSOR = TitanCase(model="llama3", spmd_backend="full_dtensor", steps=2)
+# torchtitan's default backend, which eager FSDP2 of torch 2.13 refuses (see test_torchtitan_spmd_types)
+SPMD_TYPES = TitanCase(model="llama3", spmd_backend="spmd_types", steps=1)
 INDUCTOR = TitanCase(model="llama3", backend="inductor", steps=2)
 
 
 @pytest.fixture(scope="module")
 def results():
-    return run_ranks(titan_worker, 2, [*BITWISE, DEEPSEEK_SAC], timeout=600)
+    return run_ranks(titan_worker, 2, [*BITWISE, DEEPSEEK_SAC, FULL_DTENSOR, SPMD_TYPES], timeout=600)
 
 
 def _ok(results, case):
@@ -61,6 +65,29 @@ def test_torchtitan_bitwise(results, case):
         assert r["norm_eager"] == r["norm_compiled"], (rank, r["norm_eager"], r["norm_compiled"])
         for key in ("grad_diff", "counter_diff", "param_diff", "buffer_diff"):
             assert max(r[key]) == 0.0, (rank, key, r[key])
+
+
+def test_torchtitan_full_dtensor(results):
+    """``parallelize_llama`` under ``spmd_backend="full_dtensor"`` (dp_shard 2): its parameters are DTensors on the
+    SPMD mesh and ``fully_shard`` gets ``dp_mesh_dims=DataParallelMeshDims(shard="dp_shard")``; the batch is a
+    DTensor Shard(0) on it. Bitwise like eager FSDP2; the blocks inline (their parameters are DTensors)."""
+    for rank, r in _ok(results, FULL_DTENSOR):
+        assert r["param_meshes"] == ["('dp_shard',)"], r["param_meshes"]  # the SPMD mesh, not FSDP's own
+        assert r["dynamo_graphs"] == 1 and not r["regions"][0]["region"], (rank, r["dynamo_graphs"], r["regions"])
+        assert r["loss_eager"] == r["loss_compiled"], (rank, r["loss_eager"], r["loss_compiled"])
+        assert r["norm_eager"] == r["norm_compiled"], (rank, r["norm_eager"], r["norm_compiled"])
+        for key in ("grad_diff", "param_diff", "buffer_diff"):
+            assert max(r[key]) == 0.0, (rank, key, r[key])
+
+
+def test_torchtitan_spmd_types(results):
+    """torchtitan's default ``spmd_backend="spmd_types"`` leaves its parameters plain tensors annotated with
+    spmd_types and passes ``dp_mesh_dims`` to ``fully_shard``, which in torch 2.13 wants DTensors on the SPMD
+    mesh: eager FSDP2 itself refuses it, before anything is compiled. When a torch accepts it, this fails: make
+    it a bitwise case."""
+    for rank, per_rank in enumerate(results):
+        error = per_rank[SPMD_TYPES.name].get("error", "")
+        assert "must be DTensors on the full SPMD mesh" in error and "fully_shard" in error, (rank, error[-2000:])
 
 
 def test_which_blocks_are_regions(results):
@@ -128,20 +155,26 @@ TP_TIED = TitanCase(model="llama3", tp=2, steps=2, tied=True)
 # expert_parallel_degree 2 (dp_shard 4, efsdp 2 x ep 2): one dense block, one MoE block whose routed experts
 # parallelize_deepseekv3 keeps in the block's FSDP module on the efsdp mesh (two FSDP2 parameter groups)
 EP = TitanCase(model="deepseek_v3", ep=2, steps=2)
+# full_dtensor (dp_shard 2 x tp 2): parameters on the 2-D SPMD mesh, FSDP2's _StridedShard placements on dp_shard
+TP_FULL = TitanCase(model="llama3", tp=2, steps=2, spmd_backend="full_dtensor")
 
 
 @pytest.fixture(scope="module")
 def tp_results():
-    return run_ranks(titan_worker, 4, [TP, TP_TIED, EP], timeout=900)
+    return run_ranks(titan_worker, 4, [TP, TP_TIED, EP, TP_FULL], timeout=900)
 
 
-@pytest.mark.parametrize("case", [TP, TP_TIED], ids=lambda c: c.name)
+@pytest.mark.parametrize("case", [TP, TP_TIED, TP_FULL], ids=lambda c: c.name)
 def test_torchtitan_tensor_parallel(tp_results, case):
     """torchtitan's own ``apply_tp`` (sequence-parallel norms, column/row-parallel projections, logits left
     sharded over the vocabulary for its vocab-parallel loss) and ``apply_fsdp`` on 4 ranks, dp_shard 2 x
-    tp 2, as ``parallelize_llama`` composes them, with and without weight tying: bitwise like eager FSDP2 + TP."""
+    tp 2, as ``parallelize_llama`` composes them, with and without weight tying, and
+    under spmd_backend="full_dtensor" (fully_shard(..., dp_mesh_dims=...) on the dp_shard x tp mesh): bitwise like
+    eager FSDP2 + TP."""
     for rank, r in _ok(tp_results, case):
-        assert r["param_meshes"] == ["('fsdp', 'tp')"], r["param_meshes"]  # FSDP2's 2-D DTensors: TP is on
+        # FSDP2's 2-D DTensors: TP is on; full_dtensor: the SPMD mesh's names (dp_mesh_dims)
+        meshes = ["('dp_shard', 'tp')"] if case.spmd_backend == "full_dtensor" else ["('fsdp', 'tp')"]
+        assert r["param_meshes"] == meshes, r["param_meshes"]
         assert r["dynamo_graphs"] == 1, (rank, r["dynamo_graphs"])
         # inline, and the report says why: torch 2.13's invoke_subgraph loses a region's DTensor outputs
         assert not r["regions"][0]["region"] and "DTensors of tensor or expert parallelism" in r["regions"][0]["why"]

@@ -23,15 +23,20 @@ What this file changes, each because CPU gloo ranks need it (none changes the ar
 * every FSDP module gets ``set_force_sum_reduction_for_comms(True)``: with torchtitan's
   ``set_gradient_divide_factor(1.0)`` eager FSDP2 reduce-scatters with ``PREMUL_SUM(1.0)``, which gloo does
   not have; forced SUM with the same factor 1.0 is the same arithmetic (both models get it).
-* ``spmd_backend="partial_dtensor"``: torchtitan's default, ``"spmd_types"``, distributes every parameter
-  over its SPMD mesh first (from the sharding configs ``update_from_config`` sets) and passes
-  ``dp_mesh_dims=DataParallelMeshDims(shard="dp_shard")`` to ``fully_shard``, which ``fsdp_compile`` refuses
-  (README: ``dp_mesh_dims=`` refused); ``partial_dtensor`` is torchtitan's plain ``fully_shard(mesh=fsdp)``.
+* ``spmd_backend``: ``"partial_dtensor"`` (torchtitan's plain ``fully_shard(mesh=fsdp)``) unless a case says
+  ``"full_dtensor"``: every parameter a DTensor on the SPMD mesh (from the sharding configs), the batch made
+  DTensors by ``full_dtensor.parallelize_inputs`` as ``Trainer.post_dataloading_process`` does, and
+  ``fully_shard(..., dp_mesh_dims=DataParallelMeshDims(shard="dp_shard"))``. torchtitan's default,
+  ``"spmd_types"``, calls ``fully_shard`` the same way but leaves its parameters plain tensors annotated by
+  spmd_types, which torch 2.13's ``fully_shard`` refuses ("must be DTensors on the full SPMD mesh"): eager
+  FSDP2 cannot run it on this torch, on any device, so there is no oracle to compare with;
+  ``full_dtensor`` is the same ``fully_shard`` call on the parameters it wants (the ``spmd_types`` case only
+  checks that refusal).
 * ``Decoder.Config.update_from_config`` is not called: it imports ``torchtitan.trainer`` (dataloaders,
   tensorboard, checkpointing: packages the test extra does not need) and, with ``partial_dtensor`` and data
   parallelism only, sets nothing these models use but the RoPE cache length (left at the config's; the
-  models read its first ``SEQ`` positions). With TP it also sets the model's sharding plan: the TP case
-  calls the function it calls for that, ``set_llama3_sharding_config``.
+  models read its first ``SEQ`` positions). With TP, EP or another ``spmd_backend`` it also sets the model's
+  sharding plan: those cases call the functions it calls for that (``set_llama3_sharding_config``, ...).
 * activation checkpointing only where a case asks for it (torchtitan's ``SelectiveAC`` / ``FullAC``
   configs, applied by its parallelize functions), torchtitan's own compile off (``CompileConfig()``):
   ``fsdp_compile`` compiles.
@@ -61,6 +66,9 @@ class TitanCase:
     loss: str = "ce"  # "ce": CrossEntropyLoss | "chunked": ChunkedLossWrapper (lm_head run by the loss)
     tp: int = 1  # tensor_parallel_degree: torchtitan's apply_tp (sequence parallel, loss parallel)
     tied: bool = False  # enable_weight_tying (Llama3 1B and 3B, Qwen3): tok_embeddings.weight is lm_head.weight
+    # ParallelismConfig.spmd_backend: "partial_dtensor" (fully_shard(mesh=fsdp)) | "full_dtensor" (every parameter a
+    # DTensor on the SPMD mesh, fully_shard(..., dp_mesh_dims=...)) | "spmd_types" (torchtitan's default)
+    spmd_backend: str = "partial_dtensor"
     # expert_parallel_degree (DeepSeek-V3): routed experts sharded over ep, kept in their block's FSDP module on
     # the efsdp mesh (FSDP2's per-parameter meshes: two parameter groups in each MoE block)
     ep: int = 1
@@ -80,6 +88,8 @@ class TitanCase:
             parts.append("tied")
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
+        if self.spmd_backend != "partial_dtensor":
+            parts.append(self.spmd_backend)
         return "-".join(parts)
 
 
@@ -117,11 +127,11 @@ def _on_cpu():
         module.device_type = "cpu"
 
 
-def _parallel_dims(world_size: int, tp: int = 1, ep: int = 1):
+def _parallel_dims(world_size: int, tp: int = 1, ep: int = 1, spmd_backend: str = "partial_dtensor"):
     from torchtitan.config import ParallelismConfig
     from torchtitan.distributed import ParallelDims
 
-    parallelism = ParallelismConfig(spmd_backend="partial_dtensor", tensor_parallel_degree=tp,
+    parallelism = ParallelismConfig(spmd_backend=spmd_backend, tensor_parallel_degree=tp,
                                     expert_parallel_degree=ep)
     dims = ParallelDims.from_config(parallelism, world_size)
     dims.build_mesh()
@@ -159,7 +169,7 @@ def build(case, dims, parallelism, dump_folder: str):
     from torchtitan.config import CompileConfig, TrainingConfig
 
     cfg, parallelize = _model_config(case.model, case.n_layers, case.tied)
-    if case.tp > 1:  # what update_from_config does for TP: torchtitan's own Llama3 sharding plan
+    if case.tp > 1 or case.spmd_backend != "partial_dtensor":  # what update_from_config does: its Llama3 sharding plan
         from torchtitan.models.llama3.sharding import set_llama3_sharding_config
 
         assert case.model == "llama3", "the TP cases use torchtitan's Llama3 plan"
@@ -273,9 +283,14 @@ def run_case(case: TitanCase, rank: int, world_size: int, dims, parallelism, tmp
             # Trainer.train_step, without gradient accumulation, pipeline or context parallelism
             opts.zero_grad(set_to_none=training.disable_cuda_graphs)  # False: gradients zeroed in place
             global_valid_tokens = dist_utils.dist_sum_tensor((labels != IGNORE_INDEX).sum(), batch_mesh)
+            inputs, targets = tokens, labels
+            if case.spmd_backend == "full_dtensor":  # Trainer.post_dataloading_process: DTensors on the SPMD mesh
+                from torchtitan.distributed.full_dtensor import parallelize_inputs
+
+                inputs, targets, _ = parallelize_inputs(dims, tokens, labels, {})
             # with TP the logits stay sharded over the vocabulary: torchtitan's loss is vocab-parallel
-            pred = forward(tokens)
-            loss, _ = loss_fn(pred, labels, global_valid_tokens)
+            pred = forward(inputs)
+            loss, _ = loss_fn(pred, targets, global_valid_tokens)
             loss.backward()
             grads.append([None if p.grad is None else _local(p.grad).clone() for p in model.parameters()])
             # the MoE counters, before torchtitan's pre-step hook all-reduces and zeroes them
@@ -318,9 +333,10 @@ def titan_worker(rank: int, world_size: int, cases: list[TitanCase]) -> dict:
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for case in cases:
-            if (case.tp, case.ep) not in meshes:
-                meshes[case.tp, case.ep] = _parallel_dims(world_size, case.tp, case.ep)
-            dims, parallelism = meshes[case.tp, case.ep]
+            key = (case.tp, case.ep, case.spmd_backend)
+            if key not in meshes:
+                meshes[key] = _parallel_dims(world_size, *key)
+            dims, parallelism = meshes[key]
             before = sum(counters["graph_break"].values())
             try:
                 results[case.name] = run_case(case, rank, world_size, dims, parallelism, tmp)

@@ -136,10 +136,44 @@ def _as_dtensor(local: torch.Tensor, spec):
     """A gathered TP/EP-local tensor as the DTensor its module's parallel plan expects (FSDP2's
     ``init_unsharded_param``). Differentiable: the gradient comes back as the local tensor, redistributed
     to ``spec.placements`` first where it is not already (a Partial gradient of a replicated weight is
-    all-reduced over its mesh), as FSDP2 does before its reduce-scatter."""
+    all-reduced over its mesh), as FSDP2 does before its reduce-scatter; under ``dp_mesh_dims`` on the other
+    dims than ``spec.dp_dims`` only (``_DataParallelDTensor``)."""
     from torch.distributed.tensor import DTensor
 
+    if spec.dp_dims:
+        return _DataParallelDTensor.apply(local, spec.mesh, spec.placements, spec.dp_dims, spec.shape, spec.stride)
     return DTensor.from_local(local, spec.mesh, spec.placements, run_check=False, shape=spec.shape, stride=spec.stride)
+
+
+class _DataParallelDTensor(torch.autograd.Function):
+    """``DTensor.from_local`` whose backward is FSDP2's ``_get_grad_inner_tensor`` under ``dp_mesh_dims``: the
+    gradient is redistributed on the non-data-parallel dims only, and its local tensor handed to FSDP's
+    reduce-scatter whatever its data-parallel placements are (Partial where the batch is sharded: summed by the
+    reduce-scatter, not all-reduced first; Replicate, as torchtitan's token embedding gets under TP: reduced as
+    it is). Neither is known before the backward is traced, so ``from_local``'s fixed ``grad_placements`` cannot
+    say it. ``allow_in_graph``: Dynamo would trace this backward ahead, on gradients laid out as the output
+    (measured: the sequence-parallel norms' Partial(tp) gradients then skipped their all-reduce over tp);
+    AOTAutograd runs it on the gradients the backward has."""
+
+    @staticmethod
+    def forward(ctx, local, mesh, placements, dp_dims, shape, stride):
+        from torch.distributed.tensor import DTensor
+
+        ctx.placements, ctx.dp_dims = placements, dp_dims
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+    @staticmethod
+    def backward(ctx, grad):
+        from torch.distributed.tensor import Replicate
+
+        target = tuple(grad.placements[i] if i in ctx.dp_dims else Replicate() if p.is_partial() else p
+                       for i, p in enumerate(ctx.placements))
+        if target != tuple(grad.placements):
+            grad = grad.redistribute(placements=target)
+        return grad.to_local(), None, None, None, None, None
+
+
+torch._dynamo.allow_in_graph(_DataParallelDTensor)
 
 
 def unit_params(plan: ShardingPlan, unit: Unit) -> list[ParamPlan]:
