@@ -195,7 +195,7 @@ class CompiledFSDPModule(nn.Module):
                 # the compiled step reads the shards, which those copies came from; FSDP2's reshard() frees
                 # them and puts the sharded parameters back on the modules (local, no collective)
                 _fsdp2.reshard(pg)
-        key = self._settings = settings_key(self._groups)
+        key = self._settings = self._read_settings()
         # gradient sync is a mode of a step, not another plan, while it is alike for every module: with
         # bucket="auto", modules with and without sync must not share a unit (one reduce-scatter), so a mix
         # is planned anew, with buckets that split along it (an explicit plan is the user's: _gradient_sync).
@@ -229,6 +229,10 @@ class CompiledFSDPModule(nn.Module):
             step.params = step.lookup(self._orig_mod)
         self.schedule = step.schedule
         return step
+
+    def _read_settings(self) -> tuple:
+        """FSDP2's settings as this call's step reads them (a pipeline stage's differ: ``_pipeline.py``)."""
+        return settings_key(self._groups)
 
     def _gradient_sync(self, step: _Step) -> tuple[list, list, list]:
         """Per unit: sinks for the unsharded gradients (FSDP2's set_requires_gradient_sync(False): no

@@ -358,3 +358,16 @@ def reset_sharded_params(pg) -> None:
     """After the parameters were replaced (``load_state_dict(assign=True)``): FSDP2 re-reads them."""
     for fp in _get(pg, "fsdp_params"):
         _get(fp, "reset_sharded_param")()
+
+
+def give_state(wrapper: nn.Module, model: nn.Module, state) -> None:
+    """Make ``fully_shard.state(wrapper)`` return ``state`` (what ``torch.distributed.pipelining`` reads of
+    an FSDP stage at its REDUCE_GRAD action): ``contract`` keeps a module's states in its ``__dict__``
+    under ``STATE_KEY``, keyed by the API; ``model``'s FSDP one is given to ``wrapper``, nothing else."""
+    from torch.distributed._composable.contract import STATE_KEY
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    keys = [k for k, v in model.__dict__.get(STATE_KEY, {}).items() if isinstance(v, FSDPState)]
+    if not keys:
+        raise FSDP2Changed(f"torch {torch.__version__} keeps fully_shard's state elsewhere; {_INSTALL}")
+    wrapper.__dict__[STATE_KEY] = {k: state for k in keys}

@@ -33,6 +33,24 @@ def config(**kw):
     return lambda tmp: fc.CompileConfig(**kw)
 
 
+def hsdp_stage_without_all_reduce():
+    """A compiled pipeline stage on a 2 x 4 mesh whose backward ends with sync on and all-reduce off."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("replicate", "shard"))
+    stage = fc.compile_stage(llama(mesh=mesh), backend="aot_eager")
+    stage.set_requires_all_reduce(False)
+    stage(tokens()).sum().backward()
+
+
+def extension_stage():
+    from extensions import Int8Gathered, convert_linears
+
+    torch.manual_seed(0)
+    model = convert_linears(Llama(LlamaArgs(n_layers=2)), Int8Gathered)
+    return fc.compile_stage(shard(model, list(model.layers)))
+
+
 def compile_(model_fn, **kw):
     return lambda tmp: fc.compile(model_fn(), **kw)
 
@@ -229,6 +247,12 @@ ROWS = [
     # FSDP2 setters we cannot compile: refused naming the setter (set after compile: at the next call)
     ("set_reshard_after_backward", compile_(with_setter("set_reshard_after_backward", False)), NotImplementedError,
      r"set_reshard_after_backward\(False\) keeps the parameters unsharded"),
+    ("compile_stage of a module fully_shard did not shard", lambda tmp: fc.compile_stage(nn.Linear(4, 4)), TypeError,
+     r"compile_stage takes the stage's fully_shard module, got Linear"),
+    ("compile_stage with an all-gather extension", lambda tmp: extension_stage(), NotImplementedError,
+     r"parameter '.*' has an all-gather extension \(fsdp_pre_all_gather\): compile_stage does not"),
+    ("compile_stage: set_requires_all_reduce(False) at the end of a backward", lambda tmp: hsdp_stage_without_all_reduce(),
+     NotImplementedError, r"set_requires_all_reduce\(False\) on an HSDP pipeline stage"),
     ("set_unshard_in_backward where backward needs the parameters", lambda tmp: unshard_in_backward_block(),
      NotImplementedError, r"'layers.0' has set_unshard_in_backward\(False\), but its backward needs its parameters .*"
      r"call set_unshard_in_backward\(True\) on it, or shard it with reshard_after_forward=False"),
