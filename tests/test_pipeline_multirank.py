@@ -8,7 +8,8 @@ rank: the runtime schedule, with its UNSHARD/RESHARD actions). The two data-para
 sequences of different lengths. The stage sets ``set_requires_gradient_sync(False)`` and
 ``set_reshard_after_backward(False)`` before each micro-batch's backward and reduces at REDUCE_GRAD: the
 compiled stages reduce-scatter once per FSDP module a step (not per micro-batch), from one compiled graph
-each, and the data-parallel peers issue the same collectives.
+each, and the data-parallel peers issue the same collectives. And torchtitan's own pipeline split of its Llama3
+(``pipeline_llm``, pp 2 x dp_shard 2, 1F1B), where installed.
 """
 
 import functools
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 
 from dist_helpers import run_ranks, run_scenarios, scenario
 from parity import record_step
+from torchtitan_cases import torchtitan_missing
 
 pytestmark = pytest.mark.multirank
 
@@ -121,6 +123,81 @@ def pipeline_worker(rank, world_size, *, schedule: str, stages_per_rank: int, mp
     return out
 
 
+def titan_worker(rank, world_size):
+    """torchtitan's own pipeline split of its Llama3 debug model (``pipeline_llm``: 2 layers, pp 2 x dp_shard 2,
+    1F1B, 4 micro-batches, its loss with a global valid-token count), each stage's module compiled after
+    materialization and put back on its stage as torchtitan puts a torch.compile'd one (``stage.submod = m``)."""
+    import tempfile
+
+    import torchtitan.distributed.utils as dist_utils
+    from torch.distributed.fsdp import FSDPModule
+    from torchtitan.components.loss import IGNORE_INDEX, CrossEntropyLoss
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed.pipeline_parallel import pipeline_llm
+    from torchtitan_cases import SEQ, VOCAB, _copy_state, _model_config, _on_cpu, max_diff
+
+    import fsdp_compile as fc
+
+    _on_cpu()
+    parallelism = ParallelismConfig(spmd_backend="partial_dtensor", pipeline_parallel_degree=2,
+                                    pipeline_parallel_schedule="1F1B")
+    dims = ParallelDims.from_config(parallelism, world_size)
+    dims.build_mesh()
+    dist_utils.set_spmd_backend(parallelism.spmd_backend)
+    cfg, parallelize = _model_config("llama3", 2)
+    training = TrainingConfig(local_batch_size=MICROBATCHES, seq_len=SEQ)
+
+    def make(tmp):
+        loss_fn = CrossEntropyLoss.Config(global_vocab_size=VOCAB).build(compile_config=CompileConfig())
+        with torch.device("meta"):
+            m = cfg.build()
+        schedule, parts, first, last = pipeline_llm(
+            m, parallel_dims=dims, training=training, parallelism=parallelism, compile_config=CompileConfig(),
+            ac_config=None, dump_folder=tmp, device=torch.device("cpu"), model_config=cfg, parallelize_fn=parallelize,
+            loss_fn=loss_fn)
+        for part in parts:
+            for module in part.modules():
+                if isinstance(module, FSDPModule):
+                    module.set_force_sum_reduction_for_comms(True)  # as the torchtitan harness (torchtitan_cases.build)
+            part.to_empty(device="cpu")
+        return schedule, parts, first, last
+
+    with tempfile.TemporaryDirectory() as tmp:
+        eager, comp = make(tmp), make(tmp)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for part in eager[1]:
+            part.init_weights(buffer_device=None)
+    for a, b in zip(eager[1], comp[1]):
+        _copy_state(a, b)
+    stage = comp[0]._stage
+    stage.submod = compiled = fc.compile_stage(stage.submod, backend="aot_eager")
+    params = [[p for part in run[1] for p in part.parameters()] for run in (eager, comp)]
+    opts = [torch.optim.AdamW(ps, lr=8e-4) for ps in params]
+    batch_mesh = dims.get_mesh("batch")
+    out = {"losses": {"eager": [], "compiled": []}, "grad_diff": [], "param_diff": [], "grads": []}
+    for step in range(2):
+        gen = torch.Generator().manual_seed(1000 * step + batch_mesh.get_local_rank())
+        tokens = torch.randint(0, VOCAB, (MICROBATCHES, SEQ), generator=gen)
+        labels = torch.randint(0, VOCAB, (MICROBATCHES, SEQ), generator=gen)
+        labels[0, :3] = IGNORE_INDEX
+        valid = dist_utils.dist_sum_tensor((labels != IGNORE_INDEX).sum(), batch_mesh)
+        for name, (schedule, _, first, last) in zip(("eager", "compiled"), (eager, comp)):
+            losses = [] if last else None
+            schedule.step(*((tokens,) if first else ()), target=labels if last else None, losses=losses,
+                          loss_kwargs={"global_valid_tokens": valid}, return_outputs=False)
+            out["losses"][name].append([loss.item() for loss in losses or []])
+        out["grads"].append(sum(p.grad is not None for p in params[1]))
+        out["grad_diff"].append(max_diff([p.grad for p in params[0]], [p.grad for p in params[1]]))
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        out["param_diff"].append(max_diff(*params))
+    out["dynamo_graphs"] = len(compiled.captured.dynamo)
+    return out
+
+
 SCHEDULES = {"GPipe": 1, "1F1B": 1, "Interleaved1F1B": 2}  # stages per rank
 MIXED_PRECISION = {"1F1B"}
 
@@ -128,6 +205,8 @@ MIXED_PRECISION = {"1F1B"}
 def pipeline_scenarios(rank, world_size):
     scenarios = {name: functools.partial(pipeline_worker, schedule=name, stages_per_rank=n, mp=name in MIXED_PRECISION)
                  for name, n in SCHEDULES.items()}
+    if torchtitan_missing() is None:
+        scenarios["torchtitan"] = titan_worker
     return run_scenarios(scenarios, rank, world_size)
 
 
@@ -149,3 +228,13 @@ def test_pipeline_stages_match_eager(results, name):
     assert all(r["losses"]["eager"][0] for r in per_rank[2:]), "the last stage's ranks got no losses"
     for a, b in ((0, 1), (2, 3)):  # data-parallel peers (same stages, batches of different shapes): the same collectives
         assert per_rank[a]["signature"] == per_rank[b]["signature"]
+
+
+@pytest.mark.skipif(torchtitan_missing() is not None, reason=str(torchtitan_missing()))
+def test_torchtitan_pipeline_stages_match_eager(results):
+    per_rank = scenario(results, "torchtitan")
+    for rank, r in enumerate(per_rank):
+        assert r["losses"]["eager"] == r["losses"]["compiled"], (rank, r["losses"])
+        assert max(r["grad_diff"]) == 0.0 and max(r["param_diff"]) == 0.0, (rank, r)
+        assert min(r["grads"]) > 0 and r["dynamo_graphs"] == 1, (rank, r)
+    assert all(len(step) == MICROBATCHES for r in per_rank[2:] for step in r["losses"]["eager"])
