@@ -3,6 +3,7 @@
     torchrun --nproc-per-node 2 bench/compiled_vs_eager.py [--model small|tiny|hf-llama] [--steps 20] [--quick]
     torchrun --nproc-per-node 4 bench/compiled_vs_eager.py --tp 2 [--quick]     # FSDP over dp x TP over tp
     torchrun --nproc-per-node 2 bench/compiled_vs_eager.py --float8 [--quick]   # torchao float8 all-gather
+    torchrun --nproc-per-node 4 bench/compiled_vs_eager.py --tp 2 --float8 --quick  # both (issue 46)
     torchrun --nproc-per-node 1 bench/compiled_vs_eager.py --device cuda --model llama-1b --mp bf16 --batch 2 \
         --variants torch.compile fc                                          # one GPU (bench/gpu.sh)
 
@@ -43,7 +44,13 @@ weights in their dtype and cast them in each Float8Linear, inside the compiled g
 from eager's, as any compiled float8 model's do).
 With --tp N (Llama models): torchtitan's TP plan (fsdp_compile.models.tensor_parallel: sequence parallel,
 column/row-parallel projections) on the tp dim of a (world/N, N) mesh, fully_shard over dp; the ranks of
-one TP group share their batch.
+one TP group share their batch. With --float8 too, the float8 Linears take torchao's float8 TP styles
+(Float8ColwiseParallel / Float8RowwiseParallel / PrepareFloat8ModuleInput: ``tensor_parallel(float8=True)``);
+on gloo, which has no float8 dtypes, their float8 activation all-gathers go as uint8 (gloo_float8_all_gather).
+Bytes per mesh dim (``collective_bytes_per_dim``, dp / tp): eager variants' collectives counted as they run (a
+dispatch mode over the step: FSDP2's c10d calls and DTensor's functional collectives, TP's and the float8
+scale precompute's); fc variants' from their first forward and backward graphs, plus the scale precompute run
+eagerly after the optimizer step; None for compute-only and torch.compile (their graphs are not ours to read).
 Per variant: first-step time (includes the compile, from a cold Inductor cache unless --warm-cache: each
 variant's own, in-memory caches cleared; Dynamo's code caches are shared, since one model's compiled
 frames may serve another's calls wherever the guards pass),
@@ -59,6 +66,7 @@ JSON names the device, the GPU count and the torch, CUDA and Triton versions. Gl
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import tempfile
@@ -73,6 +81,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(__file__))
 import _harness as H  # noqa: E402
@@ -102,6 +111,22 @@ def float8(model: torch.nn.Module, model_name: str, device: torch.device, all_ga
     config = Float8LinearConfig(enable_fsdp_float8_all_gather=all_gather, emulate=emulate)
     output = "lm_head" if model_name == "hf-llama" else "output"
     convert_to_float8_training(model, config=config, module_filter_fn=lambda _, fqn: fqn != output)
+
+
+def gloo_float8_all_gather() -> None:
+    """gloo has no float8 dtypes (all-gathering one fails: "Invalid scalar type"; NCCL has them), and
+    torchao's float8 TP all-gathers float8 activations (PrepareFloat8ModuleInput's sequence all-gather, the
+    e5m2 gradients in backward): on gloo this process gathers their bytes as uint8 instead, the same bytes.
+    FSDP2's float8 weight all-gather is uint8 already."""
+    from torchao.float8 import float8_ops
+
+    gather = float8_ops.FLOAT8_OPS_TABLE[torch.ops._c10d_functional.all_gather_into_tensor.default]
+
+    def as_bytes(aten_op, args, kwargs=None):
+        return gather(lambda data, *a, **k: aten_op(data.view(torch.uint8), *a, **k).view(data.dtype), args, kwargs)
+
+    for op in (torch.ops.c10d_functional.all_gather_into_tensor.default, torch.ops._c10d_functional.all_gather_into_tensor.default):
+        float8_ops.FLOAT8_OPS_TABLE[op] = as_bytes
 
 
 def simple_fsdp_missing() -> str | None:
@@ -211,7 +236,8 @@ def build(model_name: str, device: torch.device, sharded: bool | str = True, tp:
             from torch.distributed.device_mesh import init_device_mesh
 
             _MESH = init_device_mesh(device.type, (dist.get_world_size() // tp, tp), mesh_dim_names=("dp", "tp"))
-        tensor_parallel(model, _MESH["tp"])
+        # float8: torchao's float8 TP styles on the float8 Linears (torchtitan's float8 tensorwise TP)
+        tensor_parallel(model, _MESH["tp"], float8=float8_ag is not None)
         mesh = {"mesh": _MESH["dp"]}
     if not sharded:
         return model.to(MP[mp].param_dtype) if mp else model
@@ -258,17 +284,22 @@ class Variant:
         self.loss = None
         self.eager_calls = None
         self.eager_bytes = None
+        self.count = None  # a BytesByDim while a step counts its collectives
+        self.bytes_per_dim = None
 
     def step(self, tokens: torch.Tensor) -> float:
         dist.barrier()
+        count = self.count or contextlib.nullcontext()  # BytesByDim, on the step that counts collectives
         t0 = time.perf_counter()
-        logits = logits_of(self.model_name, self.runner(tokens[:, :-1]))
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
-        loss.backward()
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
+        with count if self.name.startswith("eager") else contextlib.nullcontext():  # compiled ones: their graphs
+            logits = logits_of(self.model_name, self.runner(tokens[:, :-1]))
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+            loss.backward()
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
         if self.precompute is not None:
-            self.precompute(self.model)
+            with count:
+                self.precompute(self.model)
         if tokens.is_cuda:
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
@@ -293,6 +324,53 @@ class Variant:
         fw, bw = count_collectives(captured.forward[:1]), count_collectives(captured.backward[:1])
         nbytes = collective_bytes(captured.forward[:1] + captured.backward[:1])
         return {k: fw[k] + bw[k] for k in fw} | {"bytes": sum(nbytes.values())}
+
+
+class BytesByDim(TorchDispatchMode):
+    """Collective bytes per mesh dim of what runs under it, each collective its full buffer as
+    fsdp_compile.report.collective_bytes counts it (an all-gather's output, a reduce-scatter's input, an
+    all-reduce's tensor): eager FSDP2's c10d calls and DTensor's functional collectives alike."""
+
+    def __init__(self, dims: dict[str, str]):
+        super().__init__()
+        self.dims, self.bytes = dims, {}  # group name -> mesh dim name; mesh dim name -> bytes
+
+    def add(self, group_name: str, nbytes: int) -> None:
+        dim = self.dims.get(group_name, group_name)
+        self.bytes[dim] = self.bytes.get(dim, 0) + nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        flat = [a for x in (*args, *kwargs.values()) for a in (x if isinstance(x, (list, tuple)) else (x,))]
+        tensors = [_payload_bytes(a) for a in flat if isinstance(a, torch.Tensor)]
+        if func.namespace == "_c10d_functional" and name.startswith(("all_", "reduce_scatter", "broadcast")):
+            group = [a for a in flat if isinstance(a, str)][-1]
+            self.add(group, tensors[0] * (args[1] if name.startswith("all_gather") else 1))
+        elif func.namespace == "c10d" and name != "barrier":
+            group = next(a for a in flat if isinstance(a, torch.ScriptObject))  # the boxed ProcessGroup
+            self.add(dist.ProcessGroup.unbox(group).group_name, max(tensors, default=0))
+        return func(*args, **kwargs)
+
+
+def _payload_bytes(t: torch.Tensor) -> int:
+    """The bytes a collective moves for ``t``: a subclass's inner tensors of its shape (torchao's
+    Float8TrainingTensor says its original dtype, fp32 or bf16, but moves its float8 ``_data``), not its scales."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    inner = [getattr(t, n) for n in t.__tensor_flatten__()[0]] if is_traceable_wrapper_subclass(t) else [t]
+    return sum(i.numel() * i.element_size() for i in inner if i.shape == t.shape)
+
+
+def graph_bytes_per_dim(gms, count: BytesByDim) -> None:
+    """``count.add`` of every collective in the graphs (the first forward and backward of a compiled variant)."""
+    from fsdp_compile.passes.predicates import counted_kind, node_bytes, process_group_name
+
+    for gm in gms:
+        for node in gm.graph.nodes:
+            kind = counted_kind(node)
+            if kind is not None:
+                count.add(process_group_name(node), node_bytes(node.args[0] if kind == "reduce_scatters" else node))
 
 
 class CommOnly(Variant):
@@ -378,8 +456,6 @@ def main():
         ap.error(f"--device cuda: {os.environ['LOCAL_WORLD_SIZE']} ranks on this node but {torch.cuda.device_count()} GPUs (one each)")
     if args.mp and args.model == "hf-llama":
         ap.error("--mp: fsdp_compile.models' Llama sizes only")
-    if args.float8 and args.tp > 1:
-        ap.error("--float8 with --tp: fsdp_compile refuses all-gather extensions on TP parameters")
     if args.tp > 1 and args.model == "hf-llama":
         ap.error("--tp uses fsdp_compile.models' Llama TP plan: --model tiny|small")
     if "RANK" not in os.environ:
@@ -390,6 +466,8 @@ def main():
         args.seq = {"hf-llama": 128, "llama-1b": 2048}.get(args.model, 64)
     device, rank, world, say = H.init_ranks(timeout_s=900)
     vocab = HF_VOCAB if args.model == "hf-llama" else MODEL_SIZES[args.model].vocab
+    if args.float8 and args.tp > 1 and dist.get_backend() == "gloo":
+        gloo_float8_all_gather()
 
     names = FLOAT8_VARIANTS if args.float8 else VARIANTS
     # per variant with --float8: whether its float8 weights are all-gathered as float8
@@ -426,6 +504,9 @@ def main():
     for name, why in skipped.items():
         say(f"  skipped {name}: {why}")
 
+    # mesh dim of each process group, for the bytes per mesh dim
+    dims = {m.get_group().group_name: d for d, m in ((d, _MESH[d]) for d in ("dp", "tp"))} if args.tp > 1 else \
+        {dist.group.WORLD.group_name: "dp"}
     windows = -(-args.steps // args.window)
     progress = H.Progress(len(variants) * (2 + windows + args.peak_steps), enabled=rank == 0)
     step_no = {v.name: 0 for v in variants}
@@ -455,10 +536,17 @@ def main():
             progress.step(f"{v.name}: failed")
             continue
         progress.step(f"{v.name}: first step {v.first_step_s:.1f}s")
+        v.count = BytesByDim(dims)
         with count_eager_collectives() as calls:
             run(v, 1, timed=False)
         v.eager_calls = len(calls)
         v.eager_bytes = sum(calls.bytes)
+        captured = getattr(getattr(v, "runner", None), "captured", None)
+        if captured is not None and not isinstance(v, CommOnly):
+            graph_bytes_per_dim(captured.forward[:1] + captured.backward[:1], v.count)
+        if v.name.startswith(("eager", "fc")) and v.name != "fc:cudagraphs":
+            v.bytes_per_dim = v.count.bytes
+        v.count = None
         progress.step(f"{v.name}: warm-up")
     for w in range(windows):
         for v in variants:
@@ -496,6 +584,7 @@ def main():
             # FSDP's collectives, full buffers: torch.distributed calls (eager hooks) plus in-graph collectives
             # (None for SimpleFSDP: its collectives are in graphs we do not capture)
             "collective_bytes_per_step": None if v.name == "simplefsdp" else v.eager_bytes + (graph["bytes"] if graph else 0),
+            "collective_bytes_per_dim": v.bytes_per_dim,
             "peak_bytes": v.peak_bytes,
             "peak_bytes_per_step": v.peaks,
             "final_loss": v.loss,
@@ -515,6 +604,12 @@ def main():
             f"{r['peak_bytes'] / 2**20:.1f} | "
             + ("-" if r["final_loss"] is None else f"{r['final_loss']:.5f} ({r['final_loss_delta_vs_eager']:.1e})") + " |"
         )
+    per_dim = {n: r["collective_bytes_per_dim"] for n, r in results.items() if r["collective_bytes_per_dim"]}
+    dim_names = sorted({d for b in per_dim.values() for d in b})
+    say("\ncollective MB per step by mesh dim (full buffers; eager: counted as they run, fc: its graphs + the scale "
+        "precompute)\n| variant | " + " | ".join(dim_names) + " |\n|---|" + "---|" * len(dim_names))
+    for name, b in per_dim.items():
+        say(f"| {name} | " + " | ".join(f"{b.get(d, 0) / 1e6:.3f}" for d in dim_names) + " |")
     tc, bound = results.get("torch.compile"), results.get("compute-only")
     peer, comm = results.get("simplefsdp"), results.get("comm-only")
     floor = bound["median_step_s"] + comm["median_cpu_s"] if bound and comm else None

@@ -232,11 +232,14 @@ def step_variants(d: dict) -> list[str]:
     cfg = d.get("config", {})
     out = [f"Median of {cfg.get('steps', NR)} timed steps per variant; peak: {d.get('peak_memory_measures', NR)}.", ""]
     out += table(head, rows)
+    per_dim = {n: v["collective_bytes_per_dim"] for n, v in variants.items() if v.get("collective_bytes_per_dim")}
+    for name, by_dim in per_dim.items():  # bytes per mesh dim, where the run counted them (--tp runs since issue 46)
+        out += [f"- `{name}` collective MB/step by mesh dim: " + ", ".join(f"{d} {b / 1e6:.3f}" for d, b in sorted(by_dim.items()))]
     for variant, why in sorted((d.get("skipped") or {}).items()):
         out += [f"- skipped `{variant}`: {why}"]
     for label, seconds in (d.get("step_floors_s") or {}).items():
         out += [f"- step floor, {label}: {ms(seconds)} ms"]
-    return out + ([""] if d.get("skipped") or d.get("step_floors_s") else [])
+    return out + ([""] if d.get("skipped") or d.get("step_floors_s") or per_dim else [])
 
 
 def profile(d: dict) -> list[str]:
@@ -323,7 +326,7 @@ def scale_sim(d: dict) -> list[str]:
     fmts = {"limit_ms": ".1f", "step_over_limit": ".3f", "planning_ms": ".0f", "units": "d"}
     return table(["model", "W", "tp", "profile", "variant", "float8 all-gather", "step ms", "exposed comm ms (%)",
                   "peak GiB", "all-gathers", "reduce-scatters", *(names[k] for k in extra)],
-                 [[r["model"], r["world_size"], r.get("tp", 1), r["hardware"], r["variant"], num(r.get("float8_all_gather")),
+                 [[r["model"] + (f" ({r['layers']} layers)" if "layers" in r else ""), r["world_size"], r.get("tp", 1), r["hardware"], r["variant"], num(r.get("float8_all_gather")),
                    num(r["step_ms"]), f"{num(r['exposed_comm_ms'])} ({num(r.get('exposed_pct'))}%)",
                    num(r["peak_bytes"] / 2**30, ".2f"), r.get("all_gathers", "-"), r.get("reduce_scatters", "-"),
                    *(num(r.get(k), fmts[k]) for k in extra)] for r in rows])

@@ -4,6 +4,7 @@ the fake process group at world sizes 8 to 1024, scored by fsdp_compile's cost m
     python bench/scale_sim.py [--sizes llama3-8b llama3-70b] [--world-sizes 8 16 64 256 1024] [--quick]
     python bench/scale_sim.py --sizes llama3-70b --world-sizes 512 --tp 8     # FSDP 64 x TP 8
     python bench/scale_sim.py --float8 [--quick]       # torchao float8 all-gather against bf16
+    python bench/scale_sim.py --sizes llama3-70b --world-sizes 512 --tp 8 --float8   # both (issue 46)
 
 For every (model, world size, hardware profile) the forward and backward graphs are captured as
 ``fsdp_compile.compile`` would hand them to Inductor, and four schedules are scored by the same simulator:
@@ -29,8 +30,10 @@ a torchao Float8Linear with enable_fsdp_float8_all_gather=True (its weights gath
 per element): its matmuls are torch._scaled_mm, priced at the profile's float8 rate (H100: twice bf16's),
 plus its dynamic-scaling casts, each priced as its own memory-bound op (Inductor fuses them into a few
 kernels, so the float8 step's compute is overpriced: read its all-gather bytes and exposed communication,
-not its step). One variant, fc default, in bf16 and in float8 (float8 blocks compile inline, not as
-regions: a slower capture).
+not its step). Two variants, eager FSDP2 and fc default, in bf16 and in float8 (float8 blocks compile
+inline, not as regions: a slower capture). With --tp too, the float8 blocks take torchao's float8 TP styles
+(Float8ColwiseParallel / Float8RowwiseParallel / PrepareFloat8ModuleInput: ``tensor_parallel(float8=True)``),
+so TP's sequence all-gathers carry float8 activations as well.
 Overlap limit (the "limit" columns and keys): max(compute, communication), the step a perfect overlap of the
 two would give, both from the same simulation as the step, at the same profile and on each variant's own
 graphs. compute = the compute stream's busy time over the forward and backward graphs: every non-collective
@@ -42,14 +45,18 @@ and reduce-scatters share one stream per group), both graphs. Neither includes t
 clipping or anything else outside the two graphs. The step is forward's plus backward's and no collective
 crosses between them, so limit_per_graph_ms (per graph, max(compute, communication), summed) is the tighter
 bound; the tables print the step-level one. x/limit = x's step / limit.
+With --layers N: every size captured with N blocks instead of its own (32 for 8B, 80 for 70B), a cheaper run on a
+loaded machine; every figure is then of that shorter model (the blocks are alike, so per-block ratios, exposed %
+and step / limit, carry over; absolute milliseconds do not).
 Writes bench/results/scale_sim.json and scale_sim.png (scale_sim_tp<N>_<sizes>.* with --tp, scale_sim_float8.*
-with --float8).
+with --float8, both with both, _<N>layers appended with --layers).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import os
 import sys
 import time
@@ -73,13 +80,14 @@ from fsdp_compile.models import SIZES, Llama, llama_blocks, tensor_parallel  # n
 VARIANTS = ("eager-equivalent", "eager FSDP2", "fc default", "torch 2.13 passes")
 
 
-def capture(size: str, world: int, seq: int, hardware: str, tp: int = 1, float8: bool = False, **config):
+def capture(size: str, world: int, seq: int, hardware: str, tp: int = 1, float8: bool = False, layers: int | None = None,
+            **config):
     """Forward and backward graphs of one training step (after our passes), and the schedule applied;
-    ``float8``: torchao's float8 Linears with the float8 all-gather."""
+    ``float8``: torchao's float8 Linears with the float8 all-gather; ``layers``: that many blocks, not the size's."""
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
         with torch.device("meta"):
-            model = Llama(SIZES[size])
+            model = Llama(dataclasses.replace(SIZES[size], n_layers=layers or SIZES[size].n_layers))
         if float8:
             from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
@@ -90,7 +98,7 @@ def capture(size: str, world: int, seq: int, hardware: str, tp: int = 1, float8:
             from torch.distributed.device_mesh import init_device_mesh
 
             dp_tp = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))
-            tensor_parallel(model, dp_tp["tp"])
+            tensor_parallel(model, dp_tp["tp"], float8=float8)  # float8: torchao's float8 TP styles
             mesh = {"mesh": dp_tp["dp"]}
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for block in llama_blocks(model):
@@ -159,28 +167,28 @@ def main():
     ap.add_argument("--quick", action="store_true", help="llama3-8b at world sizes 8 and 64 only")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel degree: FSDP over world/tp ranks")
     ap.add_argument("--float8", action="store_true", help="bf16 against torchao's float8 all-gather (eager FSDP2, fc default)")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="capture this many blocks instead of the size's (a cheaper run: every figure is of the shorter model)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
     if args.quick:
         args.sizes, args.world_sizes = ["llama3-8b"], [8, 64]
-    if args.float8 and args.tp > 1:
-        ap.error("--float8 with --tp: fsdp_compile refuses all-gather extensions on TP parameters")
-    variants = ("fc default",) if args.float8 else VARIANTS
+    variants = ("eager FSDP2", "fc default") if args.float8 else VARIANTS
     rows = []
     t0 = time.monotonic()
     for size in args.sizes:
         for world in args.world_sizes:
             profiles = ["h100-nvlink", "h100-ib"] if world <= 8 else ["h100-ib"]
             for hardware, float8 in [(h, f) for h in profiles for f in ((False, True) if args.float8 else (False,))]:
-                ours, report, _ = capture(size, world, args.seq, hardware, args.tp, float8)
+                ours, report, _ = capture(size, world, args.seq, hardware, args.tp, float8, args.layers)
                 plan = report.schedule
-                placed = eager = None
-                if not args.float8:  # the eager-equivalent capture, for the other variants
-                    placed, _, modules = capture(size, world, args.seq, hardware, args.tp, float8, bucket="fsdp_group", reorder=False)
-                    eager = passes.Schedule(
-                        units=tuple(eager_fsdp2(modules)), policy="eager FSDP2", workload=plan["workload"],
-                        hardware=hardware, comm_budget_bytes=0, predicted={}, planning_s=0.0,
-                    )
+                # the eager-equivalent capture, for the other variants
+                placed, _, modules = capture(size, world, args.seq, hardware, args.tp, float8, args.layers,
+                                             bucket="fsdp_group", reorder=False)
+                eager = passes.Schedule(
+                    units=tuple(eager_fsdp2(modules)), policy="eager FSDP2", workload=plan["workload"],
+                    hardware=hardware, comm_budget_bytes=0, predicted={}, planning_s=0.0,
+                )
                 for variant in variants:
                     graphs = ours if variant == "fc default" else placed
                     try:
@@ -192,7 +200,7 @@ def main():
                         r["units"] = len(plan["units"])
                     name = variant + (" float8" if float8 else "")
                     rows.append({"model": size, "world_size": world, "tp": args.tp, "hardware": hardware, "variant": name,
-                                 "float8_all_gather": float8, **r})
+                                 "float8_all_gather": float8, "layers": args.layers or SIZES[size].n_layers, **r})
                     sys.stderr.write(f"[{time.monotonic() - t0:6.0f}s] {size} W={world} {hardware} {name}: "
                                      f"{r.get('step_ms', float('nan')):.1f} ms, exposed {r.get('exposed_pct', float('nan')):.1f}%\n")
     print("Model assumptions" + __doc__.split("Model assumptions")[1].split("Writes")[0].rstrip().replace("\n", " "))
@@ -220,7 +228,8 @@ def main():
                   f"{bf['all_gather_bytes'] / 1e9:.2f} -> {f8['all_gather_bytes'] / 1e9:.2f} "
                   f"({f8['all_gather_bytes'] / bf['all_gather_bytes']:.2f}x) | {bf['exposed_comm_ms']:.2f} -> "
                   f"{f8['exposed_comm_ms']:.2f} | {bf['step_ms']:.1f} -> {f8['step_ms']:.1f} ({f8['step_ms'] / bf['step_ms']:.3f}x) |")
-    stem = "scale_sim" + (f"_tp{args.tp}_{'_'.join(args.sizes)}" if args.tp > 1 else "") + ("_float8" if args.float8 else "")
+    stem = ("scale_sim" + (f"_tp{args.tp}_{'_'.join(args.sizes)}" if args.tp > 1 else "") + ("_float8" if args.float8 else "")
+            + (f"_{args.layers}layers" if args.layers else ""))
     H.write_json(os.path.join(args.out, f"{stem}.json"), {"machine": H.machine(), "config": vars(args), "rows": rows})
     _plot(rows, os.path.join(args.out, f"{stem}.png"))
     print(f"wrote {args.out}/{stem}.json and .png")

@@ -134,16 +134,26 @@ SIZES = {
 }
 
 
-def tensor_parallel(model: Llama, tp_mesh, loss_parallel: bool = False) -> Llama:
+def tensor_parallel(model: Llama, tp_mesh, loss_parallel: bool = False, float8: bool = False) -> Llama:
     """torchtitan's Llama TP plan (``torchtitan/models/llama3/parallelize.py: apply_tp``) on ``tp_mesh``:
     sequence-parallel norms, column-parallel q/k/v and w1/w3 taking the sequence-sharded activations whole,
     row-parallel wo and w2 back to sequence shards, a vocabulary-sharded embedding. ``loss_parallel``: the
     logits stay sharded over the vocabulary (compute the loss under ``loss_parallel()``); otherwise they
-    come back whole. Before ``fully_shard``, as with any parallel plan."""
+    come back whole. ``float8``: the blocks' Linears are torchao Float8Linears (``convert_to_float8_training``)
+    and take torchao's float8 styles instead (torchtitan's float8 tensorwise TP: each block input cast to
+    float8 once, before its redistribution, so the sequence all-gather carries one byte per element).
+    Before ``fully_shard``, as with any parallel plan."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, parallelize_module,
     )
+
+    colwise, rowwise, prepare_input = ColwiseParallel, RowwiseParallel, PrepareModuleInput
+    if float8:
+        from torchao.float8 import float8_tensor_parallel as f8tp
+
+        colwise, rowwise = f8tp.Float8ColwiseParallel, f8tp.Float8RowwiseParallel
+        prepare_input = f8tp.PrepareFloat8ModuleInput
 
     parallelize_module(model, tp_mesh, {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
@@ -154,16 +164,16 @@ def tensor_parallel(model: Llama, tp_mesh, loss_parallel: bool = False) -> Llama
     for block in model.layers:
         parallelize_module(block, tp_mesh, {
             "attention_norm": SequenceParallel(),
-            "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "attention": prepare_input(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+            "attention.wq": colwise(),
+            "attention.wk": colwise(),
+            "attention.wv": colwise(),
+            "attention.wo": rowwise(output_layouts=Shard(1)),
             "ffn_norm": SequenceParallel(),
-            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-            "feed_forward.w3": ColwiseParallel(),
+            "feed_forward": prepare_input(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": colwise(),
+            "feed_forward.w2": rowwise(output_layouts=Shard(1)),
+            "feed_forward.w3": colwise(),
         })
     return model
 

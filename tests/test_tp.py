@@ -206,3 +206,32 @@ def test_per_parameter_meshes_one_unit_per_group():
         "layers.0": (("layers.1", "layers.1@efsdp"), ()), "layers.0@efsdp": ((), ()),
         "layers.1": ((), ()), "layers.1@efsdp": ((), ("layers.0@efsdp", "layers.0"))}
     assert units == [(k,) for k in keys] and issue_at["layers.1"] == issue_at["layers.1@efsdp"] == "layers.0"
+
+
+def test_llama_float8_tensor_parallel_gathers_float8_activations():
+    """``models.tensor_parallel(float8=True)`` (``bench/scale_sim.py --tp --float8``, issue 46): torchao's float8
+    TP styles on torchtitan's Llama plan compile as one graph, FSDP's all-gathers carry bytes (uint8) and TP's
+    sequence all-gathers carry float8 activations (PrepareFloat8ModuleInput casts before redistributing)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    from fsdp_compile.debug import explain_graphs
+    from fsdp_compile.models import Llama, LlamaArgs, tensor_parallel
+    from fsdp_compile.passes.predicates import collectives
+
+    with fake_process_group(4, rank=1):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        torch.manual_seed(0)
+        model = Llama(LlamaArgs(n_layers=2))
+        config = Float8LinearConfig(enable_fsdp_float8_all_gather=True, emulate=True)
+        convert_to_float8_training(model, config=config, module_filter_fn=lambda _, fqn: fqn != "output")
+        tensor_parallel(model, mesh["tp"], loss_parallel=True, float8=True)
+        for block in model.layers:
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+        report, captured = explain_graphs(model, torch.randint(0, 256, (2, 16)), config=fc.CompileConfig(backend="aot_eager"))
+        assert report.graph_breaks == 0 and report.dynamo_graphs == 1
+        gathered = [n.meta["val"].dtype for n in collectives(captured.forward[0].graph, "all_gather")]
+        # per block: one float8 sequence all-gather into attention, one into the MLP
+        assert gathered.count(torch.float8_e4m3fn) == 4 and torch.uint8 in gathered
