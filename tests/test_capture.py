@@ -242,6 +242,46 @@ def test_error_torch_compiled_module():
             fc.compile(torch.compile(llama(1)))
 
 
+class _HookedScale(nn.Module):
+    """A replicated weight whose forward hooks its gradient, as transformers' ReplicatedWithGradAllReduce does."""
+
+    def __init__(self, hook):
+        super().__init__()
+        self.weight, self.hook = nn.Parameter(torch.ones(8)), hook
+
+    def forward(self, x):
+        if torch.is_grad_enabled():
+            self.weight.register_post_accumulate_grad_hook(self.hook)
+        return x * self.weight
+
+
+def _halve(param):
+    param.grad.mul_(0.5)
+
+
+def _stride_dependent(param):
+    if param.grad.is_contiguous():
+        param.grad.mul_(0.5)
+
+
+@pytest.mark.parametrize("hook", [_halve, _stride_dependent])
+def test_post_accumulate_grad_hook_registered_in_forward(hook):
+    """A hook registered in forward on an FSDP parameter runs on its gradient in the backward graph (bitwise
+    with tp all-reduces: TPCase(model="hf_qwen3")); one whose body cannot be traced there is refused, named."""
+    with fake_process_group(2):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(8, 8), _HookedScale(hook))
+        shard(m, [m[1]])
+        x = torch.randn(2, 8)
+        if hook is _halve:
+            report = fc.explain(m, x, config=EAGER_LIKE)
+            assert (report.graph_breaks, report.dynamo_graphs) == (0, 1)
+            return
+        with pytest.raises(NotImplementedError, match="post-accumulate-grad hook .*_stride_dependent, registered on an "
+                           "FSDP parameter in forward .* cannot be traced"):
+            fc.explain(m, x, config=EAGER_LIKE)
+
+
 def test_error_compiling_twice():
     with fake_process_group(2):
         compiled = fc.compile(llama(1), backend="aot_eager")

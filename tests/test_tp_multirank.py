@@ -24,6 +24,8 @@ CASES = [
     TPCase(model="mlp", replicate=2),  # HSDP + TP: (replicate 2, shard 1, tp 2)
     TPCase(model="moe", ragged=True),  # expert parallelism: all-to-all dispatch of data-dependent sizes
     TPCase(model="hf_llama"),  # transformers' LlamaForCausalLM with its own TP plan, applied by transformers
+    # Qwen3's plan: q_norm/k_norm register post-accumulate-grad hooks in forward (an all-reduce of .grad over tp)
+    TPCase(model="hf_qwen3"),
     TPCase(model="llama", tied="after", micro=2),  # the same in fp32, two backward calls into .grad per step
 ]
 if importlib.util.find_spec("torchao") is not None:  # the test extra
@@ -42,7 +44,10 @@ def results():
 def test_bitwise_against_eager_fsdp2_tp(results, case):
     for rank, res in enumerate(results):
         r = res[case.name]
-        assert r["graph_breaks"] == 0 and r["dynamo_graphs"] == 1, (rank, r)
+        # hf_qwen3: transformers' tp_forward stores the hooked (gathered) parameter in a dict it checks on the
+        # next forward, so the second step traces again (once: the third reuses that graph)
+        graphs = 2 if case.model == "hf_qwen3" else 1
+        assert r["graph_breaks"] == 0 and r["dynamo_graphs"] == graphs, (rank, r)
         assert r["loss_compiled"] == r["loss_eager"], (rank, r)
         assert max(r["grad_diff"]) == 0.0 and max(r["param_diff"]) == 0.0, (rank, r)
         assert r["grad_placements"] == ["True"]  # gradients are DTensors of their parameters' placements

@@ -29,6 +29,7 @@ class TPCase:
     # mlp (ColwiseParallel -> RowwiseParallel) | llama (torchtitan's plan: SP, loss_parallel) | moe (expert
     # parallelism: experts Shard(0) on an ep mesh, FSDP over efsdp, all-to-all dispatch of data-dependent sizes)
     # | hf_llama (transformers' LlamaForCausalLM with its own TP plan, model.tp_plan, applied by transformers)
+    # | hf_qwen3 (Qwen3ForCausalLM, the same way: its q_norm/k_norm style registers post-accumulate-grad hooks in forward)
     model: str = "mlp"
     tp: int = 2
     replicate: int = 1  # > 1: HSDP, a (replicate, shard, tp) mesh
@@ -183,18 +184,22 @@ def _build_moe(case: TPCase):
     return m, mesh
 
 
-def _build_hf_llama(case: TPCase):
+def _build_hf(case: TPCase):
     """transformers' own TP: ``model.tp_plan`` (the config's ``base_model_tp_plan`` and its head's) expanded
     and applied by ``transformers.distributed.tensor_parallel.apply_tensor_parallelism``, the DTensor path
-    ``from_pretrained(tp_plan=...)`` takes; then fully_shard per decoder layer and the root over dp."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    ``from_pretrained(tp_plan=...)`` takes; then fully_shard per decoder layer and the root over dp. Qwen3's
+    plan makes q_norm/k_norm ``ReplicatedWithGradAllReduce``: plain replicated weights whose forward registers
+    a post-accumulate-grad hook all-reducing ``param.grad`` over tp (on FSDP2's unsharded parameter eagerly)."""
+    import transformers
     from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
     mesh = mesh_for(case)
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=64, attn_implementation="sdpa")
-    m = LlamaForCausalLM(cfg)
+    kind = {"hf_llama": "Llama", "hf_qwen3": "Qwen3"}[case.model]
+    cfg = getattr(transformers, f"{kind}Config")(
+        vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, attn_implementation="sdpa", use_cache=False)
+    m = getattr(transformers, f"{kind}ForCausalLM")(cfg)
     apply_tensor_parallelism(m, mesh["tp"], m._expand_parallel_plan(m.tp_plan))
     for layer in m.model.layers:
         fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=case.reshard)
@@ -205,8 +210,8 @@ def _build_hf_llama(case: TPCase):
 def build(case: TPCase):
     if case.model == "moe":
         return _build_moe(case)
-    if case.model == "hf_llama":
-        return _build_hf_llama(case)
+    if case.model.startswith("hf_"):
+        return _build_hf(case)
     mesh = mesh_for(case)
     torch.manual_seed(0)
     if case.model == "mlp":
@@ -288,7 +293,7 @@ def batch(case: TPCase, step: int):
 
 
 def loss_of(case: TPCase, out, x):
-    if case.model == "hf_llama":
+    if case.model.startswith("hf_"):
         return F.cross_entropy(out.logits.flatten(0, 1).float(), x.flatten())
     if case.model in ("mlp", "moe"):
         return out.float().pow(2).mean()

@@ -25,6 +25,9 @@ _gloo.py              ProcessGroupGloo's worker threads write the   2.13.0 (ASan
 _dynamo_logging.py    Dynamo cannot trace a logging.Logger method,  2.13.0          Dynamo replays reorderable logging
                       and reorderable_logging_functions drops the                   calls from inlined frames, or traces
                       calls made in inlined frames                                  a Logger method under fullgraph=True
+_grad_hooks.py        Dynamo traces a post-accumulate-grad hook     2.13.0          Dynamo defers a post-accumulate-grad
+                      registered on an intermediate at once, with                   hook on an intermediate to its
+                      .grad None (transformers' Qwen3 TP plan)                      gradient
 ====================  ============================================  ==============  ====================================
 
 Not here, because each is a decision that lives with the code it steers: ``_fsdp2.py`` (the one reader of

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 
-from fsdp_compile._torch import _invoke_subgraph
+from fsdp_compile._torch import _grad_hooks, _invoke_subgraph
 
 
 class _StepState:
@@ -34,6 +34,7 @@ class _Active:
         self._patches = contextlib.ExitStack()
         self._patches.enter_context(_invoke_subgraph.schemas_cached())
         self._patches.enter_context(_invoke_subgraph.reuse_checked())
+        self._patches.enter_context(_grad_hooks.traced_as_grad_hooks())  # a TP plan's hooks registered in forward
         self._saved = [(module, module.logger) for module, _ in self.loggers]
         for module, proxy in self.loggers:
             module.logger = proxy
