@@ -42,7 +42,7 @@ INDUCTOR = TitanCase(model="llama3", backend="inductor", steps=2)
 
 @pytest.fixture(scope="module")
 def results():
-    return run_ranks(titan_worker, 2, [*BITWISE, DEEPSEEK_SAC, FULL_DTENSOR, SPMD_TYPES], timeout=600)
+    return run_ranks(titan_worker, 2, [*BITWISE, DEEPSEEK_SAC, FULL_DTENSOR, SPMD_TYPES], timeout=900)
 
 
 def _ok(results, case):
