@@ -198,7 +198,7 @@ def _build_hf(case: TPCase):
     kind = {"hf_llama": "Llama", "hf_qwen3": "Qwen3"}[case.model]
     cfg = getattr(transformers, f"{kind}Config")(
         vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, attn_implementation="sdpa", use_cache=False)
+        num_key_value_heads=2, max_position_embeddings=64, attn_implementation="sdpa")
     m = getattr(transformers, f"{kind}ForCausalLM")(cfg)
     apply_tensor_parallelism(m, mesh["tp"], m._expand_parallel_plan(m.tp_plan))
     for layer in m.model.layers:
