@@ -32,13 +32,13 @@ def _save(family: str, path: str):
     torch.manual_seed(0)
     if family == "gpt2":
         cfg = t.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0,
-                           embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+                           embd_pdrop=0.0, attn_pdrop=0.0)
         model = t.GPT2LMHeadModel(cfg)
     else:
         name = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma": "Gemma"}[family]
         cfg = getattr(t, f"{name}Config")(
             vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, max_position_embeddings=64, use_cache=False)
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
         model = getattr(t, f"{name}ForCausalLM")(cfg)
     model.save_pretrained(path)
 
