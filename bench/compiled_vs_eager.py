@@ -4,6 +4,7 @@
     torchrun --nproc-per-node 4 bench/compiled_vs_eager.py --tp 2 [--quick]     # FSDP over dp x TP over tp
     torchrun --nproc-per-node 2 bench/compiled_vs_eager.py --float8 [--quick]   # torchao float8 all-gather
     torchrun --nproc-per-node 4 bench/compiled_vs_eager.py --tp 2 --float8 --quick  # both (issue 46)
+    torchrun --nproc-per-node 4 bench/compiled_vs_eager.py --pp 2 --quick      # pipeline: pp 2 x dp 2 FSDP stages
     torchrun --nproc-per-node 1 bench/compiled_vs_eager.py --device cuda --model llama-1b --mp bf16 --batch 2 \
         --variants torch.compile fc                                          # one GPU (bench/gpu.sh)
 
@@ -47,6 +48,8 @@ column/row-parallel projections) on the tp dim of a (world/N, N) mesh, fully_sha
 one TP group share their batch. With --float8 too, the float8 Linears take torchao's float8 TP styles
 (Float8ColwiseParallel / Float8RowwiseParallel / PrepareFloat8ModuleInput: ``tensor_parallel(float8=True)``);
 on gloo, which has no float8 dtypes, their float8 activation all-gathers go as uint8 (gloo_float8_all_gather).
+With --pp N: pipeline parallelism with FSDP stages (bench/_pipeline_bench.py says what runs and counts): eager,
+fc (fc.compile_stage) and compute-only, the split and 1F1B schedule of tests/test_pipeline_multirank.py.
 Bytes per mesh dim (``collective_bytes_per_dim``, dp / tp): eager variants' collectives counted as they run (a
 dispatch mode over the step: FSDP2's c10d calls and DTensor's functional collectives, TP's and the float8
 scale precompute's); fc variants' from their first forward and backward graphs, plus the scale precompute run
@@ -444,6 +447,7 @@ def main():
     ap.add_argument("--warm-cache", action="store_true", help="reuse Inductor's on-disk caches (default: a fresh, cold cache)")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (Llama models): FSDP over world/tp ranks")
     ap.add_argument("--float8", action="store_true", help="torchao float8 Linears, with and without the float8 all-gather")
+    ap.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree: FSDP stages under 1F1B (bench/_pipeline_bench.py)")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                     help="auto: GPUs (NCCL) when CUDA is present, else CPU (gloo); cuda: GPUs or an error; cpu: hide GPUs")
     ap.add_argument("--mp", default=None, choices=[k for k in MP if k], help="FSDP2 mixed precision (bf16 parameters, fp32 reduce)")
@@ -458,12 +462,18 @@ def main():
         ap.error("--mp: fsdp_compile.models' Llama sizes only")
     if args.tp > 1 and args.model == "hf-llama":
         ap.error("--tp uses fsdp_compile.models' Llama TP plan: --model tiny|small")
+    if args.pp > 1 and (args.tp > 1 or args.float8 or args.model == "hf-llama"):
+        ap.error("--pp: fsdp_compile.models' Llama sizes, without --tp or --float8")
     if "RANK" not in os.environ:
         ap.error("launch with torchrun, e.g.: torchrun --nproc-per-node 2 bench/compiled_vs_eager.py --quick")
     if args.quick:
         args.model, args.steps, args.window = "tiny", 10, 5
     if args.seq is None:
         args.seq = {"hf-llama": 128, "llama-1b": 2048}.get(args.model, 64)
+    if args.pp > 1:
+        from _pipeline_bench import run_pipeline
+
+        return run_pipeline(args, MODEL_SIZES[args.model], MP[args.mp], batch, BytesByDim, graph_bytes_per_dim)
     device, rank, world, say = H.init_ranks(timeout_s=900)
     vocab = HF_VOCAB if args.model == "hf-llama" else MODEL_SIZES[args.model].vocab
     if args.float8 and args.tp > 1 and dist.get_backend() == "gloo":

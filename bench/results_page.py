@@ -235,11 +235,17 @@ def step_variants(d: dict) -> list[str]:
     per_dim = {n: v["collective_bytes_per_dim"] for n, v in variants.items() if v.get("collective_bytes_per_dim")}
     for name, by_dim in per_dim.items():  # bytes per mesh dim, where the run counted them (--tp runs since issue 46)
         out += [f"- `{name}` collective MB/step by mesh dim: " + ", ".join(f"{d} {b / 1e6:.3f}" for d, b in sorted(by_dim.items()))]
+    for name, v in variants.items():  # --pp runs: per rank (a pipeline's stages move different bytes)
+        for rank, by_dim in enumerate(v.get("collective_bytes_per_dim_by_rank") or []):
+            out += [f"- `{name}` rank {rank} collective MB/step by mesh dim: " + ", ".join(f"{d} {b / 1e6:.3f}" for d, b in sorted(by_dim.items()))]
+        if v.get("dp_detail_rank0"):
+            out += [f"- `{name}` rank 0 dp MB/step by source: " + ", ".join(f"{k} {b / 1e6:.3f}" for k, b in v["dp_detail_rank0"].items())]
     for variant, why in sorted((d.get("skipped") or {}).items()):
         out += [f"- skipped `{variant}`: {why}"]
     for label, seconds in (d.get("step_floors_s") or {}).items():
         out += [f"- step floor, {label}: {ms(seconds)} ms"]
-    return out + ([""] if d.get("skipped") or d.get("step_floors_s") or per_dim else [])
+    by_rank = any(v.get("collective_bytes_per_dim_by_rank") for v in variants.values())
+    return out + ([""] if d.get("skipped") or d.get("step_floors_s") or per_dim or by_rank else [])
 
 
 def profile(d: dict) -> list[str]:
@@ -326,7 +332,7 @@ def scale_sim(d: dict) -> list[str]:
     fmts = {"limit_ms": ".1f", "step_over_limit": ".3f", "planning_ms": ".0f", "units": "d"}
     return table(["model", "W", "tp", "profile", "variant", "float8 all-gather", "step ms", "exposed comm ms (%)",
                   "peak GiB", "all-gathers", "reduce-scatters", *(names[k] for k in extra)],
-                 [[r["model"] + (f" ({r['layers']} layers)" if "layers" in r else ""), r["world_size"], r.get("tp", 1), r["hardware"], r["variant"], num(r.get("float8_all_gather")),
+                 [[r["model"] + (f" ({r['layers']} layers" + (f" a stage, pp {r['pp']}" if "pp" in r else "") + ")" if "layers" in r else ""), r["world_size"], r.get("tp", 1), r["hardware"], r["variant"], num(r.get("float8_all_gather")),
                    num(r["step_ms"]), f"{num(r['exposed_comm_ms'])} ({num(r.get('exposed_pct'))}%)",
                    num(r["peak_bytes"] / 2**30, ".2f"), r.get("all_gathers", "-"), r.get("reduce_scatters", "-"),
                    *(num(r.get(k), fmts[k]) for k in extra)] for r in rows])

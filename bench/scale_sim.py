@@ -5,6 +5,7 @@ the fake process group at world sizes 8 to 1024, scored by fsdp_compile's cost m
     python bench/scale_sim.py --sizes llama3-70b --world-sizes 512 --tp 8     # FSDP 64 x TP 8
     python bench/scale_sim.py --float8 [--quick]       # torchao float8 all-gather against bf16
     python bench/scale_sim.py --sizes llama3-70b --world-sizes 512 --tp 8 --float8   # both (issue 46)
+    python bench/scale_sim.py --sizes llama3-405b --world-sizes 2048 --tp 8 --pp 8   # one stage of pp 8 x dp 32 x tp 8
 
 For every (model, world size, hardware profile) the forward and backward graphs are captured as
 ``fsdp_compile.compile`` would hand them to Inductor, and four schedules are scored by the same simulator:
@@ -48,8 +49,22 @@ bound; the tables print the step-level one. x/limit = x's step / limit.
 With --layers N: every size captured with N blocks instead of its own (32 for 8B, 80 for 70B), a cheaper run on a
 loaded machine; every figure is then of that shorter model (the blocks are alike, so per-block ratios, exposed %
 and step / limit, carry over; absolute milliseconds do not).
+With --pp N (pipeline parallelism with FSDP stages, ``fc.compile_stage``): one pipeline stage is simulated, not the
+pipeline. A stage holds ceil(layers / N) blocks (16 of Llama-3 405B's 126 at pp 8: the fullest stage; or --layers)
+plus the embedding (--stages first) or the final norm and output (--stages last, whose input is the previous
+stage's output: bf16 hidden states, its sequence shard under TP). The fake process group is the stage's own
+W/N ranks, a (W/N/tp, tp) mesh: its FSDP and TP groups are those of the full (pp, dp, tp) mesh, and the pp dim
+takes part in no simulated collective. The step scored is one micro-batch's (1 x --seq tokens) forward and
+backward, captured as fc.compile captures a step with gradient sync: every micro-batch all-gathers each
+module's parameters (FSDP2 and compile_stage both re-gather per micro-batch), and the reduce-scatters are in
+its backward, where under a pipeline schedule they run once per step (at REDUCE_GRAD, after the last
+micro-batch's backward), so the per-micro-batch figure carries a whole step's reduce-scatter time: an upper
+bound on a micro-batch's communication, exact for the last one. Not modeled: the pipeline's bubbles and its
+schedule (1F1B or other), the pp send/recv of activations and gradients and their overlap with compute, the
+number of micro-batches, and stages other than the first and the last (a middle stage is the last without its
+norm and output). A pipeline step is then about (micro-batches + N - 1) micro-batch steps of the slowest stage.
 Writes bench/results/scale_sim.json and scale_sim.png (scale_sim_tp<N>_<sizes>.* with --tp, scale_sim_float8.*
-with --float8, both with both, _<N>layers appended with --layers).
+with --float8, both with both, scale_sim_pp<N>_... with --pp, _<N>layers appended with --layers).
 """
 
 from __future__ import annotations
@@ -75,15 +90,43 @@ from fsdp_compile._torch._dtensor import forget_meshes  # noqa: E402
 from fsdp_compile.debug import explain_graphs  # noqa: E402
 from fsdp_compile.passes.planner import eager_fsdp2  # noqa: E402
 from fsdp_compile.plan import read_plan  # noqa: E402
-from fsdp_compile.models import SIZES, Llama, llama_blocks, tensor_parallel  # noqa: E402
+from fsdp_compile.models import SIZES as MODEL_SIZES, Llama, LlamaArgs, llama_blocks, tensor_parallel  # noqa: E402
 
+# Meta's published Llama 3.1 405B config beside the package's sizes (simulation only)
+SIZES = {**MODEL_SIZES, "llama3-405b": LlamaArgs(vocab=128256, dim=16384, n_layers=126, n_heads=128, n_kv_heads=8,
+                                                 ffn_dim=53248, max_seq=8192)}
 VARIANTS = ("eager-equivalent", "eager FSDP2", "fc default", "torch 2.13 passes")
 
 
+class Stage(torch.nn.Module):
+    """A pipeline stage of ``full`` (--pp): all its blocks, with its embedding (the first stage) or its final norm
+    and output (the last), as tests/test_pipeline_multirank.py and torchtitan split our Llama."""
+
+    def __init__(self, full: Llama, first: bool):
+        super().__init__()
+        self.tok_embeddings = full.tok_embeddings if first else None
+        self.layers = full.layers
+        self.norm, self.output = (None, None) if first else (full.norm, full.output)
+        self.register_buffer("rope", full.rope, persistent=False)
+
+    def forward(self, x):
+        if self.tok_embeddings is not None:
+            x = self.tok_embeddings(x)
+        for layer in self.layers:
+            x = layer(x, self.rope)
+        return x if self.output is None else self.output(self.norm(x))
+
+
+def stage_layers(size: str, pp: int, layers: int | None) -> int:
+    """Blocks per stage under --pp (the most any stage holds), or per model: --layers if given."""
+    return layers or (-(-SIZES[size].n_layers // pp) if pp > 1 else SIZES[size].n_layers)
+
+
 def capture(size: str, world: int, seq: int, hardware: str, tp: int = 1, float8: bool = False, layers: int | None = None,
-            **config):
+            stage: str | None = None, **config):
     """Forward and backward graphs of one training step (after our passes), and the schedule applied;
-    ``float8``: torchao's float8 Linears with the float8 all-gather; ``layers``: that many blocks, not the size's."""
+    ``float8``: torchao's float8 Linears with the float8 all-gather; ``layers``: that many blocks, not the size's;
+    ``stage``: "first" or "last", that pipeline stage of the model (``world``: the stage's dp x tp ranks)."""
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
         with torch.device("meta"):
@@ -100,11 +143,15 @@ def capture(size: str, world: int, seq: int, hardware: str, tp: int = 1, float8:
             dp_tp = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))
             tensor_parallel(model, dp_tp["tp"], float8=float8)  # float8: torchao's float8 TP styles
             mesh = {"mesh": dp_tp["dp"]}
+        tokens = torch.randint(0, 128, (1, seq), device="meta")
+        if stage is not None:
+            model = Stage(model, first=stage == "first")
+            if stage == "last":  # the previous stage's output: its sequence shard under TP's sequence parallelism
+                tokens = torch.randn(1, seq // tp, SIZES[size].dim, dtype=torch.bfloat16, device="meta")
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for block in llama_blocks(model):
             fully_shard(block, mp_policy=mp, **mesh)
         fully_shard(model, mp_policy=mp, **mesh)
-        tokens = torch.randint(0, 128, (1, seq), device="meta")
         report, captured = explain_graphs(model, tokens, config=fc.CompileConfig(backend="inductor", hardware=hardware, **config))
         return [captured.forward[0], captured.backward[0]], report, passes.modules_of(read_plan(model))
     finally:
@@ -161,7 +208,7 @@ def score(graphs, hardware: str, variant: str, world: int, schedule=None, tp: in
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sizes", nargs="+", default=["llama3-8b", "llama3-70b"], choices=["llama3-8b", "llama3-70b"])
+    ap.add_argument("--sizes", nargs="+", default=["llama3-8b", "llama3-70b"], choices=["llama3-8b", "llama3-70b", "llama3-405b"])
     ap.add_argument("--world-sizes", nargs="+", type=int, default=[8, 16, 64, 256, 1024])
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--quick", action="store_true", help="llama3-8b at world sizes 8 and 64 only")
@@ -169,8 +216,12 @@ def main():
     ap.add_argument("--float8", action="store_true", help="bf16 against torchao's float8 all-gather (eager FSDP2, fc default)")
     ap.add_argument("--layers", type=int, default=None,
                     help="capture this many blocks instead of the size's (a cheaper run: every figure is of the shorter model)")
+    ap.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree: simulate one stage (the docstring's --pp)")
+    ap.add_argument("--stages", nargs="+", default=["first", "last"], choices=["first", "last"], help="with --pp: which stages")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
+    if args.pp > 1 and args.float8:
+        ap.error("--pp: bf16 only (no --float8)")
     if args.quick:
         args.sizes, args.world_sizes = ["llama3-8b"], [8, 64]
     variants = ("eager FSDP2", "fc default") if args.float8 else VARIANTS
@@ -179,11 +230,14 @@ def main():
     for size in args.sizes:
         for world in args.world_sizes:
             profiles = ["h100-nvlink", "h100-ib"] if world <= 8 else ["h100-ib"]
-            for hardware, float8 in [(h, f) for h in profiles for f in ((False, True) if args.float8 else (False,))]:
-                ours, report, _ = capture(size, world, args.seq, hardware, args.tp, float8, args.layers)
+            sim = world // args.pp  # --pp: one stage's dp x tp ranks (its FSDP and TP groups; pp's are not simulated)
+            layers = stage_layers(size, args.pp, args.layers) if args.pp > 1 else args.layers
+            for hardware, float8, stage in [(h, f, st) for h in profiles for f in ((False, True) if args.float8 else (False,))
+                                            for st in (args.stages if args.pp > 1 else (None,))]:
+                ours, report, _ = capture(size, sim, args.seq, hardware, args.tp, float8, layers, stage)
                 plan = report.schedule
                 # the eager-equivalent capture, for the other variants
-                placed, _, modules = capture(size, world, args.seq, hardware, args.tp, float8, args.layers,
+                placed, _, modules = capture(size, sim, args.seq, hardware, args.tp, float8, layers, stage,
                                              bucket="fsdp_group", reorder=False)
                 eager = passes.Schedule(
                     units=tuple(eager_fsdp2(modules)), policy="eager FSDP2", workload=plan["workload"],
@@ -192,15 +246,17 @@ def main():
                 for variant in variants:
                     graphs = ours if variant == "fc default" else placed
                     try:
-                        r = score(graphs, hardware, variant, world, eager, args.tp)
+                        r = score(graphs, hardware, variant, sim, eager, args.tp)
                     except Exception as e:  # noqa: BLE001 - a pass that fails is a result, reported as such
                         r = {"error": f"{type(e).__name__}: {e}"[:300]}
                     if variant == "fc default":
                         r["planning_ms"] = report.planning_ms
                         r["units"] = len(plan["units"])
-                    name = variant + (" float8" if float8 else "")
+                    name = variant + (" float8" if float8 else "") + (f" {stage} stage" if stage else "")
                     rows.append({"model": size, "world_size": world, "tp": args.tp, "hardware": hardware, "variant": name,
-                                 "float8_all_gather": float8, "layers": args.layers or SIZES[size].n_layers, **r})
+                                 "float8_all_gather": float8, "layers": layers or SIZES[size].n_layers,
+                                 **({"pp": args.pp, "stage": stage, "dp": sim // args.tp, "microbatch": [1, args.seq]}
+                                    if stage else {}), **r})
                     sys.stderr.write(f"[{time.monotonic() - t0:6.0f}s] {size} W={world} {hardware} {name}: "
                                      f"{r.get('step_ms', float('nan')):.1f} ms, exposed {r.get('exposed_pct', float('nan')):.1f}%\n")
     print("Model assumptions" + __doc__.split("Model assumptions")[1].split("Writes")[0].rstrip().replace("\n", " "))
@@ -228,7 +284,8 @@ def main():
                   f"{bf['all_gather_bytes'] / 1e9:.2f} -> {f8['all_gather_bytes'] / 1e9:.2f} "
                   f"({f8['all_gather_bytes'] / bf['all_gather_bytes']:.2f}x) | {bf['exposed_comm_ms']:.2f} -> "
                   f"{f8['exposed_comm_ms']:.2f} | {bf['step_ms']:.1f} -> {f8['step_ms']:.1f} ({f8['step_ms'] / bf['step_ms']:.3f}x) |")
-    stem = ("scale_sim" + (f"_tp{args.tp}_{'_'.join(args.sizes)}" if args.tp > 1 else "") + ("_float8" if args.float8 else "")
+    stem = ("scale_sim" + (f"_pp{args.pp}" if args.pp > 1 else "")
+            + (f"_tp{args.tp}_{'_'.join(args.sizes)}" if args.tp > 1 else "") + ("_float8" if args.float8 else "")
             + (f"_{args.layers}layers" if args.layers else ""))
     H.write_json(os.path.join(args.out, f"{stem}.json"), {"machine": H.machine(), "config": vars(args), "rows": rows})
     _plot(rows, os.path.join(args.out, f"{stem}.png"))
