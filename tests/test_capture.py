@@ -281,6 +281,31 @@ def test_post_accumulate_grad_hook_registered_in_forward(hook):
             fc.explain(m, x, config=EAGER_LIKE)
 
 
+class _EmptyBranch(nn.Module):
+    """Branches on a size read back from a tensor (as expert parallelism's all-to-all split sizes are)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(8))
+
+    def forward(self, x):
+        rows = x[: (x[:, 0] > 0).sum().tolist()]
+        if rows.shape[0] == 0:  # data-dependent: not one of the branches the capture knows
+            return x * self.weight
+        return x * self.weight + rows.sum()
+
+
+def test_data_dependent_branch_refused_with_its_line():
+    """A Python branch on a data-dependent size outside the known ones (transformers' AllToAllEP, taken on its
+    general path: TPCase(model="hf_qwen3_moe")) is refused, naming its file and line, not Dynamo's guard error."""
+    with fake_process_group(2):
+        m = nn.Sequential(nn.Linear(8, 8), _EmptyBranch())
+        shard(m, [m[1]])
+        with pytest.raises(NotImplementedError, match=r"data-dependent value Eq\(u\d+, 0\) at .*test_capture.py:\d+ "
+                           r"\(if rows.shape\[0\] == 0:.*guard_or_false"):
+            fc.explain(m, torch.randn(2, 8), config=EAGER_LIKE)
+
+
 def test_error_compiling_twice():
     with fake_process_group(2):
         compiled = fc.compile(llama(1), backend="aot_eager")

@@ -26,6 +26,9 @@ CASES = [
     TPCase(model="hf_llama"),  # transformers' LlamaForCausalLM with its own TP plan, applied by transformers
     # Qwen3's plan: q_norm/k_norm register post-accumulate-grad hooks in forward (an all-reduce of .grad over tp)
     TPCase(model="hf_qwen3"),
+    # Qwen3-MoE with transformers' expert parallelism (efsdp 2 x ep 2): its all-to-all dispatch branches on the
+    # received token count, which layer 0's routing makes 0 on ep rank 1 (the capture takes the general path)
+    TPCase(model="hf_qwen3_moe", tp=1, ragged=True),
     TPCase(model="llama", tied="after", micro=2),  # the same in fp32, two backward calls into .grad per step
 ]
 if importlib.util.find_spec("torchao") is not None:  # the test extra
@@ -56,6 +59,10 @@ def test_bitwise_against_eager_fsdp2_tp(results, case):
     if case.model == "moe":  # the dispatch and combine all-to-alls on ep; the experts' FSDP on efsdp
         assert dims["ep"]["all_to_alls"] >= 4 and dims["efsdp"]["reduce_scatters"] == 1, dims
         assert dims["fsdp"]["reduce_scatters"] == 1, dims
+        return
+    if case.model == "hf_qwen3_moe":  # per layer: counts, dispatch, combine all-to-alls; two more in backward
+        assert dims["ep"]["all_to_alls"] == 10 and dims["efsdp"]["reduce_scatters"] == 2, dims
+        assert dims["fsdp"]["reduce_scatters"] == 3, dims
         return
     fsdp_dim = "shard" if case.replicate > 1 else "dp"
     # row-parallel outputs all-reduced (mlp, transformers' plan), or sequence-parallel all-gathers (llama)

@@ -30,6 +30,9 @@ class TPCase:
     # parallelism: experts Shard(0) on an ep mesh, FSDP over efsdp, all-to-all dispatch of data-dependent sizes)
     # | hf_llama (transformers' LlamaForCausalLM with its own TP plan, model.tp_plan, applied by transformers)
     # | hf_qwen3 (Qwen3ForCausalLM, the same way: its q_norm/k_norm style registers post-accumulate-grad hooks in forward)
+    # | hf_qwen3_moe (Qwen3MoeForCausalLM with transformers' expert parallelism, its ep plan applied by
+    # transformers; tp=1: experts over (efsdp 2, ep 2), the rest over all 4 ranks, as from_pretrained lays out
+    # fsdp 4 x ep 2)
     model: str = "mlp"
     tp: int = 2
     replicate: int = 1  # > 1: HSDP, a (replicate, shard, tp) mesh
@@ -105,6 +108,8 @@ def mesh_for(case: TPCase):
     world = dist.get_world_size()
     if case.model == "moe":  # torchtitan's expert layout: experts over (efsdp, ep), dense layers over fsdp
         return _mesh((world // case.tp, case.tp), ("efsdp", "ep"))
+    if case.model == "hf_qwen3_moe":  # transformers' expert view (efsdp, ep) beside its (size 1) tp dim
+        return _mesh((world // 2, 2, case.tp), ("efsdp", "ep", "tp"))
     if case.replicate > 1:
         return _mesh((case.replicate, world // case.replicate // case.tp, case.tp), ("replicate", "shard", "tp"))
     return _mesh((world // case.tp, case.tp), ("dp", "tp"))
@@ -207,9 +212,56 @@ def _build_hf(case: TPCase):
     return m, mesh
 
 
+def _build_hf_qwen3_moe(case: TPCase, mp_policy: MixedPrecisionPolicy | None = None):
+    """Qwen3MoeForCausalLM (2 layers, hidden 64, 4 experts, top-2, vocab 256, fp32, sdpa) with transformers'
+    expert parallelism as ``from_pretrained(distributed_config=DistributedConfig(ep_size=2))`` applies it
+    (``maybe_distribute_model``): ``apply_expert_parallelism`` with the model's ep plan (experts'
+    weights Shard(0) on ep, AutoEP's all-to-all dispatch in training), then ``apply_fully_sharded_data_parallelism``'s
+    layout: the experts fully_shard over efsdp, their gradients summed and divided by the dp size, each decoder
+    layer and the root over all ranks. The split sizes of the dispatch are read back to the host, and
+    ``AllToAllEP`` branches on the received token count (``if tokens.shape[0] == 0``): layer 0's router sends every
+    token to experts 0 and 1, so ep rank 1 receives none there (the size-zero side eagerly), layer 1 routes freely."""
+    import transformers
+    from transformers.distributed.expert_parallel import apply_expert_parallelism
+
+    mesh = mesh_for(case)
+    dp_mesh = _mesh((dist.get_world_size(),), ("fsdp",))
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=64, attn_implementation="sdpa")
+    m = transformers.Qwen3MoeForCausalLM(cfg)
+    _route_to_first_experts(m.model.layers[0].mlp.gate)
+    apply_expert_parallelism(m, mesh["ep"], mesh["tp"], m._expand_parallel_plan(m.ep_plan))
+    kwargs = {"mp_policy": mp_policy} if mp_policy is not None else {}
+    for layer in m.model.layers:
+        fully_shard(layer.mlp.experts, mesh=mesh["efsdp"], reshard_after_forward=True, **kwargs)
+        layer.mlp.experts.set_gradient_divide_factor(float(dist.get_world_size()))
+        layer.mlp.experts.set_force_sum_reduction_for_comms(True)
+    for layer in m.model.layers:
+        fully_shard(layer, mesh=dp_mesh, reshard_after_forward=case.reshard, **kwargs)
+    fully_shard(m, mesh=dp_mesh, reshard_after_forward=case.reshard, **kwargs)
+    return m, mesh
+
+
+def _route_to_first_experts(gate: nn.Module):
+    """Top-2 fixed to experts 0 and 1 (ep rank 0's), weighted by the router's softmax over those two: the
+    other ep rank receives no tokens from the dispatch."""
+    forward = gate.forward
+
+    def routed(hidden_states):
+        logits, _, _ = forward(hidden_states)
+        return logits, torch.softmax(logits[:, :2], dim=-1), torch.arange(2).expand(logits.shape[0], 2)
+
+    gate.forward = routed
+
+
 def build(case: TPCase):
     if case.model == "moe":
         return _build_moe(case)
+    if case.model == "hf_qwen3_moe":
+        return _build_hf_qwen3_moe(case)
     if case.model.startswith("hf_"):
         return _build_hf(case)
     mesh = mesh_for(case)

@@ -28,6 +28,9 @@ _dynamo_logging.py    Dynamo cannot trace a logging.Logger method,  2.13.0      
 _grad_hooks.py        Dynamo traces a post-accumulate-grad hook     2.13.0          Dynamo defers a post-accumulate-grad
                       registered on an intermediate at once, with                   hook on an intermediate to its
                       .grad None (transformers' Qwen3 TP plan)                      gradient
+_size_branches.py     Dynamo cannot guard on a data-dependent size  2.13.0          Dynamo takes a size-oblivious path
+                      (transformers' AllToAllEP: if tokens.shape                    there, or transformers writes it
+                      [0] == 0 after its all-to-all)                                with guard_or_false
 ====================  ============================================  ==============  ====================================
 
 Not here, because each is a decision that lives with the code it steers: ``_fsdp2.py`` (the one reader of
