@@ -56,7 +56,10 @@ stage's output: bf16 hidden states, its sequence shard under TP). The fake proce
 W/N ranks, a (W/N/tp, tp) mesh: its FSDP and TP groups are those of the full (pp, dp, tp) mesh, and the pp dim
 takes part in no simulated collective. The step scored is one micro-batch's (1 x --seq tokens) forward and
 backward, captured as fc.compile captures a step with gradient sync: every micro-batch all-gathers each
-module's parameters (FSDP2 and compile_stage both re-gather per micro-batch), and the reduce-scatters are in
+module's parameters in forward and its blocks again in backward, as compile_stage does (measured by
+compiled_vs_eager --pp 2; eager FSDP2 under a pipeline schedule keeps a stage's parameters unsharded after each
+micro-batch's backward, so its later micro-batches' forwards gather nothing: the "eager FSDP2" rows here
+overcount eager's all-gathers, by up to a stage's parameters per micro-batch), and the reduce-scatters are in
 its backward, where under a pipeline schedule they run once per step (at REDUCE_GRAD, after the last
 micro-batch's backward), so the per-micro-batch figure carries a whole step's reduce-scatter time: an upper
 bound on a micro-batch's communication, exact for the last one. Not modeled: the pipeline's bubbles and its
