@@ -4,6 +4,15 @@ fsdp_size=2))``, which builds its (pp, dp_replicate, fsdp, tp) mesh, applies the
 tp and its own FSDP plan (``fully_shard`` per decoder layer, the root last) over fsdp; then ``fc.compile``.
 4 gloo ranks, aot_eager, fp32, 2 AdamW steps, bitwise against the same load trained by eager FSDP2.
 
+In bf16 (``fsdp_mixed_precision=True``) with grouped-query attention and an ``attention_mask`` (all ones, as a
+tokenizer returns it), transformers 5.24 takes another attention path under any compile than eagerly: eagerly
+it reads the mask, finds no padding and calls SDPA with ``is_causal=True, enable_gqa=True``; traced, it cannot
+read the mask's values, so it builds an explicit mask, and SDPA with a mask is not given ``enable_gqa``
+(``use_gqa_in_sdpa``): k/v go through ``repeat_kv`` and their bf16 gradients round otherwise. transformers'
+``TRANSFORMERS_SDPA_FORCE_GQA=1`` gives SDPA ``enable_gqa`` with the mask too: bitwise against eager
+(``llama-bf16``). Without it (``llama-bf16-repeat_kv``) the reference is plain ``torch.compile`` of the same
+FSDP2 load (aot_eager), which takes the same path: fc must match it bitwise.
+
 transformers 5.24 builds the mesh itself from the config (a ``device_mesh=`` beside ``distributed_config``
 is overwritten), so the test passes none; it sets RANK / LOCAL_RANK / WORLD_SIZE as torchrun would (the
 process group is ours already). GPT-2 has no TP plan: it loads with ``fsdp_size=4`` alone. This path does
@@ -18,10 +27,10 @@ pytestmark = pytest.mark.multirank
 transformers = pytest.importorskip("transformers")
 VOCAB = 256
 # Mistral is left out: at these sizes it is Llama's architecture (the same losses to the bit)
-FAMILIES = ["llama", "qwen2", "qwen3", "gemma", "gpt2"]
+FAMILIES = ["llama", "qwen2", "qwen3", "gemma", "gpt2", "llama-bf16", "llama-bf16-repeat_kv"]
 # transformers' FSDP plan: embed_tokens, each decoder layer, the final norm with lm_head as one group, the
 # root; Gemma ties lm_head to embed_tokens (no module of its own); GPT-2 the blocks the test names, the root
-FSDP_MODULES = {"llama": 6, "qwen2": 6, "qwen3": 6, "gemma": 5, "gpt2": 3}
+FSDP_MODULES = {"llama": 6, "qwen2": 6, "qwen3": 6, "gemma": 5, "gpt2": 3, "llama-bf16": 6, "llama-bf16-repeat_kv": 6}
 
 
 def _save(family: str, path: str):
@@ -47,7 +56,9 @@ def _load(family: str, path: str):
     import transformers as t
     from transformers.distributed import DistributedConfig
 
-    if family == "gpt2":  # no TP plan; its FSDP plan's default rules name Llama-style modules, so say its blocks
+    if family.endswith(("bf16", "repeat_kv")):  # FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)
+        sizes = dict(tp_plan="auto", tp_size=2, fsdp_size=2, fsdp_mixed_precision=True)
+    elif family == "gpt2":  # no TP plan; its FSDP plan's default rules name Llama-style modules, so say its blocks
         sizes = dict(fsdp_size=4, fsdp_plan={"transformer.h.*": "free_full_weight"})
     else:
         sizes = dict(tp_plan="auto", tp_size=2, fsdp_size=2)
@@ -70,26 +81,33 @@ def hf_distributed_worker(rank, world_size, tmp, families):
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))  # as torchrun sets them
     out = {}
     for family in families:
-        path = os.path.join(tmp, family)
-        if rank == 0:
-            _save(family, path)
+        path = os.path.join(tmp, family.split("-")[0])
+        if rank == 0 and not os.path.exists(path):
+            _save(family.split("-")[0], path)
         dist.barrier()
+        # transformers reads it at each attention call (use_gqa_in_sdpa), so eagerly as in the trace
+        os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = "1" if family == "llama-bf16" else "0"
         eager, model = _load(family, path), _load(family, path)
+        if family.endswith("repeat_kv"):  # the reference: plain torch.compile on the same FSDP2 load
+            eager = torch.compile(eager, backend="aot_eager")
         r = {"fsdp_modules": sum(isinstance(m, FSDPModule) for m in model.modules()),
              "dtensor_params": sum(isinstance(p, DTensor) for p in model.parameters()),
              "params": len(list(model.parameters()))}
         compiled = fc.compile(model, fc.CompileConfig(backend="aot_eager"))
         opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (eager, model)]
-        breaks = sum(counters["graph_break"].values())
+        r["graph_breaks"] = 0
         tp = 1 if family == "gpt2" else 2
         r.update(loss_eager=[], loss_compiled=[], grad_diff=[], param_diff=[])
         for step in range(2):
             # the same batch on the ranks of a tp group (tp is the mesh's last dim), another per fsdp rank
             g = torch.Generator().manual_seed(100 * step + rank // tp)
             ids = torch.randint(0, VOCAB, (2, 16), generator=g)
-            lc = compiled(input_ids=ids, labels=ids).loss
+            mask = {"attention_mask": torch.ones_like(ids)} if "bf16" in family else {}
+            breaks = sum(counters["graph_break"].values())  # fc's alone (the reference may break)
+            lc = compiled(input_ids=ids, labels=ids, **mask).loss
             lc.backward()
-            le = eager(input_ids=ids, labels=ids).loss
+            r["graph_breaks"] += sum(counters["graph_break"].values()) - breaks
+            le = eager(input_ids=ids, labels=ids, **mask).loss
             le.backward()
             r["loss_eager"].append(le.item())
             r["loss_compiled"].append(lc.item())
@@ -98,7 +116,7 @@ def hf_distributed_worker(rank, world_size, tmp, families):
                 opt.step()
                 opt.zero_grad()
             r["param_diff"].append(max_diff(list(eager.parameters()), list(model.parameters())))
-        r["graph_breaks"] = sum(counters["graph_break"].values()) - breaks
+        os.environ.pop("TRANSFORMERS_SDPA_FORCE_GQA")
         r["dynamo_graphs"] = len(compiled.captured.dynamo)
         out[family] = r
     return out
@@ -119,3 +137,12 @@ def test_from_pretrained_distributed_config_bitwise(results, family):
         assert r["graph_breaks"] == 0 and r["dynamo_graphs"] == (2 if family == "qwen3" else 1), (rank, r)
         assert r["loss_eager"] == r["loss_compiled"], (rank, r)
         assert max(r["grad_diff"]) == 0.0 and max(r["param_diff"]) == 0.0, (rank, r)
+
+
+def test_bf16_gqa_with_mask_leaves_eager_without_the_knob(results):
+    """Why llama-bf16-repeat_kv's reference is torch.compile: its losses leave eager FSDP2's (llama-bf16's) after
+    the first step, fc's and torch.compile's alike (the first step's loss is taken before any gradient)."""
+    for rank, per_rank in enumerate(results):
+        knob, no_knob = per_rank["llama-bf16"], per_rank["llama-bf16-repeat_kv"]
+        assert knob["loss_eager"][0] == no_knob["loss_compiled"][0], rank
+        assert knob["loss_eager"][1] != no_knob["loss_compiled"][1], rank
