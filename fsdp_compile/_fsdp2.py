@@ -243,6 +243,11 @@ class Param:
     # dp_mesh_dims: the unsharded spec's data-parallel dims (FSDP2's _dp_dim_indices), where a gradient keeps the
     # placement it has for FSDP's reduce-scatter (FSDP2's _get_grad_inner_tensor redistributes the other dims only)
     dp_dims: tuple[int, ...]
+    # torch >= 2.14 with spmd_types (torchtitan's default spmd_backend): a plain tensor annotated by spmd_types, stored
+    # as a DTensor on the SPMD mesh (unsharded_spec) but handed to the module as the gathered plain tensor; its
+    # gradient is read as a DTensor with these placements (FSDPParam._spmd_grad_placements: Partial on the
+    # data-parallel dims), redistributed on the others to unsharded_spec's (_get_grad_inner_tensor). None otherwise
+    spmd_grad_placements: tuple | None
     all_gather_extension: bool  # the local shard implements fsdp_pre_all_gather (float8, ...)
     # what FSDP2 passes an extension's fsdp_pre_all_gather after the shard: (its shard mesh, orig size, contiguous
     # orig stride, its module, its MixedPrecisionPolicy); None for a plain parameter
@@ -302,6 +307,9 @@ def layout(pg) -> Layout:
             unsharded_shape=tuple(_get(fp, "_orig_size")),
             unsharded_spec=_get(fp, "_unsharded_dtensor_spec") if _get(fp, "is_dtensor") else None,
             dp_dims=tuple(sorted(_get(fp, "_dp_dim_indices"))) if spmd else (),
+            # torch 2.13 has no spmd_types support (its fully_shard refuses such parameters), nor the attribute
+            spmd_grad_placements=(tuple(_get(fp, "_spmd_grad_placements"))
+                                  if getattr(fp, "is_spmd_types", False) else None),
             all_gather_extension=extension,
             pre_all_gather_args=(
                 _get(fp, "shard_mesh_from_root"), tuple(_get(fp, "_orig_size")), tuple(_get(fp, "_contiguous_orig_stride")),

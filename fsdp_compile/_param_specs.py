@@ -32,6 +32,30 @@ class ParallelSpec:
         return ", ".join(f"{n}={p!r}" for n, p in zip(self.dim_names, self.placements))
 
 
+def parallel_spec(where: str, spec, dp_dims: tuple[int, ...], spmd_grad_placements: tuple | None,
+                  ) -> ParallelSpec | None:
+    """What the module is handed for an FSDP2 parameter whose unsharded spec is ``spec`` (a DTensorSpec): that
+    DTensor (``ParallelSpec``), or, for a parameter annotated by spmd_types (torch >= 2.14: FSDP2 stores it as a
+    DTensor on the SPMD mesh and hands the module the gathered plain tensor), None: a plain FSDP parameter,
+    whose gradient FSDP2 reduce-scatters as it is where it redistributes nothing (``_get_grad_inner_tensor``:
+    the gradient's placements, Partial on the data-parallel dims, are kept there, and equal the spec's on the
+    others, as under data parallelism alone)."""
+    placements = tuple(spec.placements)
+    if spmd_grad_placements is None:
+        return ParallelSpec(spec.mesh, placements, tuple(spec.shape), tuple(spec.stride), dp_dims)
+    names = spec.mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(spec.mesh.ndim))
+    moved = [f"{names[i]}: {g} -> {p}" for i, (g, p) in enumerate(zip(spmd_grad_placements, placements))
+             if i not in dp_dims and g != p]
+    if moved:  # FSDP2 redistributes the gradient there first (an all-reduce over tp for an R-typed weight)
+        raise NotImplementedError(
+            f"{where}: a parameter annotated by spmd_types (torchtitan's spmd_backend=\"spmd_types\") whose "
+            f"gradient FSDP2 redistributes on a non-data-parallel mesh dim ({'; '.join(moved)}) is not supported "
+            "under fsdp_compile.compile yet (data parallelism alone is); use spmd_backend=\"full_dtensor\" or "
+            "\"partial_dtensor\" (parameters as DTensors), or train it with eager FSDP2"
+        )
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class ExtensionSpec:
     """A parameter whose local shard implements FSDP2's all-gather extension (``fsdp_pre_all_gather`` /

@@ -21,7 +21,7 @@ from torch.distributed.tensor.placement_types import Shard
 from fsdp_compile import _fsdp2
 from fsdp_compile._fsdp2 import Settings
 from fsdp_compile._layout import padded_rows, rank_rows
-from fsdp_compile._param_specs import ExtensionSpec, ParallelSpec
+from fsdp_compile._param_specs import ExtensionSpec, ParallelSpec, parallel_spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -445,8 +445,7 @@ def _read_group(fqn: str, layout: _fsdp2.Layout, settings: Settings, canonical: 
                     "DTensor of tensor or expert parallelism: FSDP2 itself does not support resharding those to a "
                     "smaller mesh after forward; use reshard_after_forward=True or False"
                 )
-            spec = fp.unsharded_spec
-            parallel = ParallelSpec(spec.mesh, tuple(spec.placements), tuple(spec.shape), tuple(spec.stride), fp.dp_dims)
+            parallel = parallel_spec(where_p, fp.unsharded_spec, fp.dp_dims, fp.spmd_grad_placements)
         extension = None
         if fp.all_gather_extension and layout.spmd_mesh:
             raise NotImplementedError(

@@ -157,6 +157,7 @@ def test_layout_of_a_group(fake4):
     assert first.sharded_param is m.layers[0].attention.wq.weight and first.placement == Shard(0)
     assert (first.param_dtype, first.orig_dtype) == (torch.bfloat16, torch.float32)
     assert first.unsharded_spec is None and not first.all_gather_extension
+    assert first.spmd_grad_placements is None  # not annotated by spmd_types (torch 2.13 has no such parameters)
     assert first.unsharded_shape == (64, 64)
     assert first.places == ((m.layers[0].attention.wq, "weight"),)  # where FSDP2 sets its (un)sharded parameter
 

@@ -11,6 +11,7 @@ wandb, torchdata...); install it and the two modules its models import with ``to
 """
 
 import pytest
+from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
 
 from dist_helpers import run_ranks
 from torchtitan_cases import TitanCase, titan_worker, torchtitan_missing
@@ -35,8 +36,9 @@ BITWISE = [
 DEEPSEEK_SAC = TitanCase(model="deepseek_v3", n_layers=3, ac="selective")
 # spmd_backend="full_dtensor": every parameter a DTensor on the SPMD mesh, fully_shard(..., dp_mesh_dims=...)
 FULL_DTENSOR = TitanCase(model="llama3", spmd_backend="full_dtensor", steps=2)
-# torchtitan's default backend, which eager FSDP2 of torch 2.13 refuses (see test_torchtitan_spmd_types)
-SPMD_TYPES = TitanCase(model="llama3", spmd_backend="spmd_types", steps=1)
+# torchtitan's default backend: torch 2.13's eager FSDP2 refuses it, torch 2.14's trains it (FSDPParam.is_spmd_types)
+SPMD_TYPES = TitanCase(model="llama3", spmd_backend="spmd_types", steps=2)
+SPMD_TYPES_FSDP = hasattr(FSDPParam, "_restore_spmd_types")  # this torch's fully_shard accepts spmd_types parameters
 INDUCTOR = TitanCase(model="llama3", backend="inductor", steps=2)
 
 
@@ -82,12 +84,22 @@ def test_torchtitan_full_dtensor(results):
 
 def test_torchtitan_spmd_types(results):
     """torchtitan's default ``spmd_backend="spmd_types"`` leaves its parameters plain tensors annotated with
-    spmd_types and passes ``dp_mesh_dims`` to ``fully_shard``, which in torch 2.13 wants DTensors on the SPMD
-    mesh: eager FSDP2 itself refuses it, before anything is compiled. When a torch accepts it, this fails: make
-    it a bitwise case."""
-    for rank, per_rank in enumerate(results):
-        error = per_rank[SPMD_TYPES.name].get("error", "")
-        assert "must be DTensors on the full SPMD mesh" in error and "fully_shard" in error, (rank, error[-2000:])
+    spmd_types and passes ``dp_mesh_dims`` to ``fully_shard``. Torch 2.13's wants DTensors on the SPMD mesh:
+    eager FSDP2 itself refuses it, before anything is compiled. Torch 2.14's stores them as DTensors on the SPMD
+    mesh and hands the module the gathered plain tensors, whose gradients it reduce-scatters as they are under
+    data parallelism alone (dp_shard 2): bitwise like eager FSDP2, the blocks one region (plain tensors)."""
+    if not SPMD_TYPES_FSDP:
+        for rank, per_rank in enumerate(results):
+            error = per_rank[SPMD_TYPES.name].get("error", "")
+            assert "must be DTensors on the full SPMD mesh" in error and "fully_shard" in error, (rank, error[-2000:])
+        return
+    for rank, r in _ok(results, SPMD_TYPES):
+        assert r["param_meshes"] == ["('dp_shard',)"], r["param_meshes"]  # FSDP2's storage: the SPMD mesh
+        assert r["dynamo_graphs"] == 1 and r["regions"][0]["region"], (rank, r["dynamo_graphs"], r["regions"])
+        assert r["loss_eager"] == r["loss_compiled"], (rank, r["loss_eager"], r["loss_compiled"])
+        assert r["norm_eager"] == r["norm_compiled"], (rank, r["norm_eager"], r["norm_compiled"])
+        for key in ("grad_diff", "param_diff", "buffer_diff"):
+            assert max(r[key]) == 0.0, (rank, key, r[key])
 
 
 def test_which_blocks_are_regions(results):
@@ -157,11 +169,13 @@ TP_TIED = TitanCase(model="llama3", tp=2, steps=2, tied=True)
 EP = TitanCase(model="deepseek_v3", ep=2, steps=2)
 # full_dtensor (dp_shard 2 x tp 2): parameters on the 2-D SPMD mesh, FSDP2's _StridedShard placements on dp_shard
 TP_FULL = TitanCase(model="llama3", tp=2, steps=2, spmd_backend="full_dtensor")
+# spmd_types (dp_shard 2 x tp 2): refused by torch 2.13's fully_shard, by fsdp_compile on torch 2.14 (no step runs)
+TP_SPMD_TYPES = TitanCase(model="llama3", tp=2, steps=1, spmd_backend="spmd_types")
 
 
 @pytest.fixture(scope="module")
 def tp_results():
-    return run_ranks(titan_worker, 4, [TP, TP_TIED, EP, TP_FULL], timeout=900)
+    return run_ranks(titan_worker, 4, [TP, TP_TIED, EP, TP_FULL, TP_SPMD_TYPES], timeout=900)
 
 
 @pytest.mark.parametrize("case", [TP, TP_TIED, TP_FULL], ids=lambda c: c.name)
@@ -206,3 +220,16 @@ def test_torchtitan_expert_parallel(tp_results):
         assert list(counts) == ["layers.1.moe.tokens_per_expert_E"]  # each rank's own tokens, top-3 of 8 experts
         assert sum(sum(c) for c in counts.values()) == BATCH * SEQ * 3, counts
         assert r["expert_bias"] > 0.0
+
+
+def test_torchtitan_spmd_types_tensor_parallel_refused(tp_results):
+    """spmd_types with TP: FSDP2 of torch 2.14 reads an R-typed weight's gradient (the sequence-parallel norms')
+    as Partial over tp and all-reduces it there before its reduce-scatter, which fsdp_compile does not do yet:
+    ``fc.compile`` refuses it, naming the backends that compile (torch 2.13's ``fully_shard`` refuses it first)."""
+    for rank, per_rank in enumerate(tp_results):
+        error = per_rank[TP_SPMD_TYPES.name].get("error", "")
+        if not SPMD_TYPES_FSDP:
+            assert "must be DTensors on the full SPMD mesh" in error, (rank, error[-2000:])
+            continue
+        assert "NotImplementedError" in error and 'spmd_backend="spmd_types"' in error, (rank, error[-2000:])
+        assert "tp: P(sum) -> R" in error and 'spmd_backend="full_dtensor"' in error, (rank, error[-2000:])

@@ -29,9 +29,11 @@ What this file changes, each because CPU gloo ranks need it (none changes the ar
   ``fully_shard(..., dp_mesh_dims=DataParallelMeshDims(shard="dp_shard"))``. torchtitan's default,
   ``"spmd_types"``, calls ``fully_shard`` the same way but leaves its parameters plain tensors annotated by
   spmd_types, which torch 2.13's ``fully_shard`` refuses ("must be DTensors on the full SPMD mesh"): eager
-  FSDP2 cannot run it on this torch, on any device, so there is no oracle to compare with;
-  ``full_dtensor`` is the same ``fully_shard`` call on the parameters it wants (the ``spmd_types`` case only
-  checks that refusal).
+  FSDP2 cannot run it on that torch, on any device, so there is no oracle to compare with there (the
+  ``spmd_types`` cases check that refusal); torch 2.14's trains it, and the cases compare with it.
+  Trainer's ``set_current_spmd_mesh`` context is not entered: with data parallelism alone nothing in these
+  models reads it (``spmd_mesh_size("tp")`` is 1 either way); with TP the loss would need it (the TP
+  ``spmd_types`` case stops at ``fc.compile``'s refusal, before a step).
 * ``Decoder.Config.update_from_config`` is not called: it imports ``torchtitan.trainer`` (dataloaders,
   tensorboard, checkpointing: packages the test extra does not need) and, with ``partial_dtensor`` and data
   parallelism only, sets nothing these models use but the RoPE cache length (left at the config's; the
