@@ -16,7 +16,7 @@ effects after it, lost attribute writes made later in the trace (Qwen3 with its 
 object has no attribute 'device'"). A tensor with a source (a parameter FSDP does not manage) keeps Dynamo's
 handling.
 
-Checked on 2.13.0. Delete when Dynamo traces a post-accumulate-grad hook on an intermediate as a gradient hook.
+Checked on 2.13.0 and 2.14.1. Delete when Dynamo traces a post-accumulate-grad hook on an intermediate as a gradient hook.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+_NAME = "register_post_accumulate_grad_hook"
 _HOOKS: list = []  # the hooks _hook_gradient runs, by index: the same on every rank (a constant of the graph)
 
 
@@ -108,6 +109,8 @@ def traced_as_grad_hooks():
 
     def register(self, tx, *args, **kwargs):
         if self.source is not None or len(args) != 1 or kwargs:
+            if entry is not None:
+                return entry.handler(self, tx, *args, **kwargs)
             return original(self, tx, *args, **kwargs)
         try:
             fn = args[0].as_python_constant()
@@ -124,6 +127,12 @@ def traced_as_grad_hooks():
         self.synchronize_attributes(tx)
         return variables.RemovableHandleVariable(mutation_type=variables.base.ValueMutationNew())
 
+    # torch 2.13 dispatches the method by its name on the class; 2.14 through the class's tp_methods table,
+    # whose Method entries hold the handler (called as handler(variable, tx, *args, **kwargs))
+    table = TensorVariable.__dict__.get("tp_methods")
+    entry = None if table is None else table.get(_NAME)
+    if entry is not None:
+        table[_NAME] = type(entry)(register)
     TensorVariable.method_register_post_accumulate_grad_hook = register
     try:
         yield
@@ -136,3 +145,5 @@ def traced_as_grad_hooks():
         raise HookRefused(str(cause)) from e
     finally:
         TensorVariable.method_register_post_accumulate_grad_hook = original
+        if entry is not None:
+            table[_NAME] = entry
