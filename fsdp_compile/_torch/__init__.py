@@ -25,7 +25,7 @@ _gloo.py              ProcessGroupGloo's worker threads write the   2.13.0 (ASan
 _dynamo_logging.py    Dynamo cannot trace a logging.Logger method,  2.13.0          Dynamo replays reorderable logging
                       and reorderable_logging_functions drops the                   calls from inlined frames, or traces
                       calls made in inlined frames                                  a Logger method under fullgraph=True
-_grad_hooks.py        Dynamo traces a post-accumulate-grad hook     2.13.0          Dynamo defers a post-accumulate-grad
+_grad_hooks.py        Dynamo traces a post-accumulate-grad hook     2.13.0, 2.14.1  Dynamo defers a post-accumulate-grad
                       registered on an intermediate at once, with                   hook on an intermediate to its
                       .grad None (transformers' Qwen3 TP plan)                      gradient
 _size_branches.py     Dynamo cannot guard on a data-dependent size  2.13.0          Dynamo takes a size-oblivious path
@@ -38,3 +38,13 @@ FSDP2's private state, a version-checked adapter), ``backend.py``'s Inductor set
 (``REGIONS_SOUND_UNDER_INDUCTOR``), ``passes/regions.py``'s and ``capture/regions.py``'s reasons to compile
 a block inline instead of as a region.
 """
+
+
+def wrapped(error: BaseException, cls: type) -> BaseException | None:
+    """The ``cls`` exception that ``error`` (a Dynamo error) wraps, or None: Dynamo, or its backend, wraps what is
+    raised in a trace, and may chain it once more. Our patches raise their refusals in a trace and re-raise
+    them unwrapped, so the user reads our message, not Dynamo's."""
+    cause = error
+    while cause is not None and not isinstance(cause, cls):
+        cause = cause.__cause__ or cause.__context__
+    return cause

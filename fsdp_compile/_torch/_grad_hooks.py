@@ -26,6 +26,8 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from fsdp_compile._torch import wrapped
+
 _NAME = "register_post_accumulate_grad_hook"
 _HOOKS: list = []  # the hooks _hook_gradient runs, by index: the same on every rank (a constant of the graph)
 
@@ -137,9 +139,7 @@ def traced_as_grad_hooks():
     try:
         yield
     except TorchDynamoException as e:
-        cause = e  # Dynamo (or its backend) wraps what is raised in a trace, and may chain it once more
-        while cause is not None and not isinstance(cause, HookRefused):
-            cause = cause.__cause__ or cause.__context__
+        cause = wrapped(e, HookRefused)
         if cause is None:
             raise
         raise HookRefused(str(cause)) from e

@@ -20,6 +20,8 @@ from __future__ import annotations
 import contextlib
 import sys
 
+from fsdp_compile._torch import wrapped
+
 # (module, qualified name) of the functions whose data-dependent ``size == 0`` branches take the general path
 _GENERAL_PATH = {("transformers.distributed.expert_parallel", "AllToAllEP.__call__")}
 
@@ -84,9 +86,7 @@ def general_path_on_empty():
     try:
         yield
     except TorchDynamoException as e:
-        cause = e  # Dynamo wraps what is raised in a trace, and may chain it once more
-        while cause is not None and not isinstance(cause, SizeBranchRefused):
-            cause = cause.__cause__ or cause.__context__
+        cause = wrapped(e, SizeBranchRefused)
         if cause is None:
             raise
         raise SizeBranchRefused(str(cause)) from e
