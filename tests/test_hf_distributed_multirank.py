@@ -76,7 +76,7 @@ def hf_distributed_worker(rank, world_size, tmp, families):
     from torch.distributed.tensor import DTensor
 
     import fsdp_compile as fc
-    from parity import max_diff
+    from parity import record_step
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))  # as torchrun sets them
     out = {}
@@ -111,11 +111,7 @@ def hf_distributed_worker(rank, world_size, tmp, families):
             le.backward()
             r["loss_eager"].append(le.item())
             r["loss_compiled"].append(lc.item())
-            r["grad_diff"].append(max_diff([p.grad for p in eager.parameters()], [p.grad for p in model.parameters()]))
-            for opt in opts:
-                opt.step()
-                opt.zero_grad()
-            r["param_diff"].append(max_diff(list(eager.parameters()), list(model.parameters())))
+            record_step(r, eager, model, opts)
         os.environ.pop("TRANSFORMERS_SDPA_FORCE_GQA")
         r["dynamo_graphs"] = len(compiled.captured.dynamo)
         out[family] = r

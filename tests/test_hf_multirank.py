@@ -69,7 +69,7 @@ def hf_worker(rank, world_size, families):
     from torch._dynamo.utils import counters
 
     import fsdp_compile as fc
-    from parity import max_diff
+    from parity import record_step
 
     out = {}
     for family in families:
@@ -93,11 +93,7 @@ def hf_worker(rank, world_size, families):
                 le.backward()
                 r["loss_eager"].append(le.item())
                 r["loss_compiled"].append(lc.item())
-                r["grad_diff"].append(max_diff([p.grad for p in eager.parameters()], [p.grad for p in model.parameters()]))
-                for opt in opts:
-                    opt.step()
-                    opt.zero_grad()
-                r["param_diff"].append(max_diff(list(eager.parameters()), list(model.parameters())))
+                record_step(r, eager, model, opts)
         finally:
             logging.getLogger("transformers").removeHandler(records)
         r["graph_breaks"] = sum(counters["graph_break"].values()) - breaks
