@@ -149,3 +149,33 @@ def agree_max(value: int, groups, what: str = "the tokens per step") -> int:
         if group.size() > 1:
             value = max(int(v) for v in _Round(group, what).exchange("value", str(value).encode()))
     return value
+
+
+def check_ranks_agree(plan, config_items: list[tuple[str, object]] = ()) -> None:
+    """Compare ``plan.fingerprint()`` (``plan``: a ``ShardingPlan``) and the config across the ranks of every
+    process group the plan's collectives use, once, before the first trace (moved here from ``plan``, which
+    re-exports it).
+
+    Ranks that shard different models, or compile with different settings, would issue different
+    collectives inside the compiled graphs and block until the process group's timeout, or exchange the
+    wrong bytes; this turns that into an error on every rank that names the first difference. It
+    compares within each FSDP process group, not the whole world: ranks outside it (another pipeline
+    stage, say) may hold another model. Over the process group's store, never a collective (``check_same``):
+    a rank that compiles alone raises, within the group's timeout, instead of pairing with its peers'
+    eager collectives. Skipped on the fake process group (no peers).
+    """
+    groups = plan.process_groups()
+    if not groups:
+        return
+    items = [(f"FSDP group {entry['fqn'] or '<root>'!r}", entry) for entry in plan.fingerprint()]
+    items.insert(0, ("the number of FSDP groups", len(items)))
+    for group in groups:
+        if group.size() > 1:
+            check_same(
+                "the fsdp_compile.CompileConfig", list(config_items), group,
+                "every rank must pass the same settings to fsdp_compile.compile",
+            )
+            check_same(
+                "the sharded model", items, group,
+                "every rank must build the same model and call fully_shard the same way before fsdp_compile.compile",
+            )

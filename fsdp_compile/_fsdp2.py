@@ -266,7 +266,8 @@ class Layout:
     device: torch.device
     offload_to_cpu: bool  # offload_policy=CPUOffloadPolicy()
     spmd_mesh: bool  # fully_shard(..., dp_mesh_dims=...): parameters are DTensors on the full SPMD mesh
-    replicate_only: bool  # a data-parallel mesh without a shard dim (dp_mesh_dims=...(replicate=...) only: DDP)
+    mesh_kind: str  # mesh_kind: "fsdp" | "hsdp" | "ddp", or the class name of a mesh info fsdp_compile does not know
+    replicate_only: bool  # no shard dim: DDPMeshInfo (replicate, or dp_mesh_dims=...(replicate=...) only), or unknown
     shard_mesh_rank: int
     all_gather_group: object  # ProcessGroup (None: replicate_only)
     all_reduce_group: object | None  # HSDP: the replicate dimension's ProcessGroup
@@ -287,9 +288,27 @@ def _replicate_only(pg) -> bool:
     return not isinstance(_get(pg, "mesh_info"), _private("_fsdp_common", "FSDPMeshInfo"))
 
 
+def mesh_kind(pg) -> str:
+    """The kind of FSDP2 mesh info a parameter group has: "fsdp" (FSDPMeshInfo, a custom subclass too), "hsdp",
+    "ddp" (DDPMeshInfo: ``replicate``, or ``dp_mesh_dims`` without a shard dim), else the class's name: one that
+    fsdp_compile does not know, which ``plan`` refuses before reading anything else of it."""
+    info = _get(pg, "mesh_info")
+    for kind, name in (("hsdp", "HSDPMeshInfo"), ("fsdp", "FSDPMeshInfo"), ("ddp", "DDPMeshInfo")):
+        if isinstance(info, _private("_fsdp_common", name)):
+            return kind
+    return type(info).__name__
+
+
+def api(state) -> str:
+    """The composable API that made an FSDP state: "replicate" (``torch.distributed._composable.replicate_with_fsdp``,
+    whose state is FSDP2's, named "Replicate") or "fully_shard"."""
+    return "replicate" if _get(state, "_state_name") == "Replicate" else "fully_shard"
+
+
 def layout(pg) -> Layout:
     """After FSDP2's lazy init (``lazy_init``), which resolves the dtypes."""
     mesh_info = _get(pg, "mesh_info")
+    kind = mesh_kind(pg)
     replicate_only = _replicate_only(pg)
     spmd = bool(getattr(mesh_info, "is_spmd_mesh", False))
     post_forward = None
@@ -328,6 +347,7 @@ def layout(pg) -> Layout:
         device=_get(pg, "device"),
         offload_to_cpu=isinstance(_get(pg, "offload_policy"), CPUOffloadPolicy),
         spmd_mesh=spmd,
+        mesh_kind=kind,
         replicate_only=replicate_only,
         shard_mesh_rank=0 if replicate_only else mesh_info.shard_mesh_rank,
         all_gather_group=None if replicate_only else _get(pg, "_all_gather_process_group"),  # DDP: none

@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Shard
 
 from fsdp_compile import _fsdp2
+from fsdp_compile._agree import check_ranks_agree  # noqa: F401 (fsdp_compile's API imports it from here)
 from fsdp_compile._fsdp2 import Settings
 from fsdp_compile._layout import padded_rows, rank_rows
 from fsdp_compile._param_specs import ExtensionSpec, ParallelSpec, parallel_spec
@@ -279,37 +280,6 @@ def group_keys(fqn: str, pgs: list) -> list[str]:
     return keys[:len(pgs)]
 
 
-def check_ranks_agree(plan: ShardingPlan, config_items: list[tuple[str, object]] = ()) -> None:
-    """Compare ``plan.fingerprint()`` and the config across the ranks of every process group the plan's
-    collectives use, once, before the first trace.
-
-    Ranks that shard different models, or compile with different settings, would issue different
-    collectives inside the compiled graphs and block until the process group's timeout, or exchange the
-    wrong bytes; this turns that into an error on every rank that names the first difference. It
-    compares within each FSDP process group, not the whole world: ranks outside it (another pipeline
-    stage, say) may hold another model. Over the process group's store, never a collective (``_agree``):
-    a rank that compiles alone raises, within the group's timeout, instead of pairing with its peers'
-    eager collectives. Skipped on the fake process group (no peers).
-    """
-    groups = plan.process_groups()
-    if not groups:
-        return
-    from fsdp_compile._agree import check_same
-
-    items = [(f"FSDP group {entry['fqn'] or '<root>'!r}", entry) for entry in plan.fingerprint()]
-    items.insert(0, ("the number of FSDP groups", len(items)))
-    for group in groups:
-        if group.size() > 1:
-            check_same(
-                "the fsdp_compile.CompileConfig", list(config_items), group,
-                "every rank must pass the same settings to fsdp_compile.compile",
-            )
-            check_same(
-                "the sharded model", items, group,
-                "every rank must build the same model and call fully_shard the same way before fsdp_compile.compile",
-            )
-
-
 def read_plan(model: nn.Module) -> ShardingPlan:
     lazy_init(model)
     canonical = {}
@@ -344,7 +314,8 @@ def read_plan(model: nn.Module) -> ShardingPlan:
         backward = tuple(k for s in backward for k in reversed(keys_of_state[s]))
         for i, (key, pg) in enumerate(zip(keys, pgs)):
             layout = _fsdp2.layout(pg)
-            group = _read_group(key, layout, _fsdp2.settings(state, pg), canonical, lookup_only, module_names)
+            group = _read_group(key, layout, _fsdp2.settings(state, pg), canonical, lookup_only, module_names,
+                                _fsdp2.api(state))
             groups.append(dataclasses.replace(
                 group, forward_prefetch=forward if i == 0 else (), backward_prefetch=backward if i == len(pgs) - 1 else ()))
             devices.add(layout.device)
@@ -388,7 +359,7 @@ def _with_leading(groups: list[GroupPlan], order: list[str]) -> tuple[GroupPlan,
 
 
 def _read_group(fqn: str, layout: _fsdp2.Layout, settings: Settings, canonical: dict, lookup_only: dict,
-                module_names: dict) -> GroupPlan:
+                module_names: dict, api: str = "fully_shard") -> GroupPlan:
     where = f"FSDP module {fqn or '<root>'!r}"
     if layout.offload_to_cpu and layout.device.type != "cpu":
         # On a CPU device the offloaded shards, gradients and optimizer state already live where compute
@@ -398,7 +369,13 @@ def _read_group(fqn: str, layout: _fsdp2.Layout, settings: Settings, canonical: 
             f"{where}: offload_policy=CPUOffloadPolicy() on {layout.device.type} is not supported under "
             "fsdp_compile.compile yet (it is on CPU devices); train it with eager FSDP2, or drop the offload"
         )
-    if layout.replicate_only:  # FSDP2's DDPMeshInfo: all-reduced gradients, no all-gather (none of our ops)
+    if layout.mesh_kind not in ("fsdp", "hsdp", "ddp"):  # never an assertion from FSDP2's properties
+        raise NotImplementedError(f"{where}: {api}(...) gave it FSDP2's {layout.mesh_kind}, which fsdp_compile.compile "
+                                  "does not support (FSDPMeshInfo, HSDPMeshInfo, DDPMeshInfo); train it with eager FSDP2")
+    if layout.replicate_only and api == "replicate":  # FSDP2's DDPMeshInfo: all-reduced gradients, no all-gather
+        raise NotImplementedError(f"{where}: replicate(...) (torch.distributed._composable.replicate_with_fsdp: DDP) is "
+                                  "not supported under fsdp_compile.compile yet; train it with eager replicate, or shard it with fully_shard")
+    if layout.replicate_only:
         raise NotImplementedError(
             f"{where}: fully_shard(..., dp_mesh_dims=DataParallelMeshDims(replicate=...)) without a shard dim "
             "(replicated parameters, all-reduced gradients: DDP) is not supported under fsdp_compile.compile yet; "

@@ -108,6 +108,30 @@ def replicate_only_llama():
     return shard(m, m.layers, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(replicate="dp"))
 
 
+def replicated_llama():
+    """torch.distributed._composable.replicate_with_fsdp.replicate per block and on the root: FSDP2's DDPMeshInfo."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    torch.manual_seed(0)
+    m = Llama(LlamaArgs(n_layers=2))
+    for layer in m.layers:
+        replicate(layer)
+    return replicate(m)
+
+
+def unknown_mesh_info():
+    """A parameter group whose mesh info is none of FSDP2's three kinds (FSDP, HSDP, DDP)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import DataParallelMeshInfo
+
+    class OtherMeshInfo(DataParallelMeshInfo):
+        pass
+
+    m = llama()
+    group = m.layers[1]._get_fsdp_state()._fsdp_param_groups[0]
+    group.mesh_info = OtherMeshInfo(group.mesh_info.mesh, shard_mesh_dim=0)
+    return m
+
+
 def float8_on_spmd_mesh():
     """torchao's float8 all-gather (an FSDP2 all-gather extension) with dp_mesh_dims."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -237,6 +261,10 @@ ROWS = [
      r"reshard_after_forward=2 \(an int\) with parameter '0.weight' a DTensor .*FSDP2 itself does not support"),
     ("dp_mesh_dims", compile_(replicate_only_llama), NotImplementedError,
      r"dp_mesh_dims=DataParallelMeshDims\(replicate=\.\.\.\)\) without a shard dim .*name a shard dim too"),
+    ("replicate", compile_(replicated_llama), NotImplementedError,
+     r"FSDP module '<root>': replicate\(\.\.\.\) \(torch.distributed._composable.replicate_with_fsdp: DDP\) is not supported"),
+    ("unknown mesh info", compile_(unknown_mesh_info), NotImplementedError,
+     r"FSDP module 'layers.1': fully_shard\(\.\.\.\) gave it FSDP2's OtherMeshInfo, which fsdp_compile.compile does not"),
     ("dp_mesh_dims with float8", compile_(float8_on_spmd_mesh), NotImplementedError,
      r"an all-gather extension \(WeightWithDynamicFloat8CastTensor\) with fully_shard\(\.\.\., dp_mesh_dims=\.\.\.\)"),
     ("Shard(1) placements", compile_(shard_dim_1), NotImplementedError, r"only Shard\(0\) placements"),
