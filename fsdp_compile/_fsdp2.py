@@ -270,7 +270,7 @@ class Layout:
     replicate_only: bool  # no shard dim: DDPMeshInfo (replicate, or dp_mesh_dims=...(replicate=...) only), or unknown
     shard_mesh_rank: int
     all_gather_group: object  # ProcessGroup (None: replicate_only)
-    all_reduce_group: object | None  # HSDP: the replicate dimension's ProcessGroup
+    all_reduce_group: object | None  # HSDP, DDP: the replicate dimension's ProcessGroup
     post_forward: tuple[object, int, int] | None  # an int reshard_after_forward: (ProcessGroup, size, rank)
     reduce_dtype: torch.dtype | None  # MixedPrecisionPolicy.reduce_dtype as FSDP2 resolved it
     params: tuple[Param, ...]
@@ -340,9 +340,10 @@ def layout(pg) -> Layout:
         ))
     hsdp = _get(pg, "_is_hsdp")
     # with dp_mesh_dims, mesh_info.mesh is the data-parallel submesh FSDP2 took (its dims flattened where several)
-    names = (getattr(mesh_info.mesh, "mesh_dim_names", None) or ()) if not replicate_only else ()
+    ddp = kind == "ddp"  # replicate: no shard group; its gradients are all-reduced over the replicate group
+    names = (getattr(mesh_info.mesh, "mesh_dim_names", None) or ()) if not replicate_only or ddp else ()
     shard_dim = getattr(mesh_info, "shard_mesh_dim", None)
-    replicate_dim = getattr(mesh_info, "replicate_mesh_dim", None) if hsdp else None
+    replicate_dim = getattr(mesh_info, "replicate_mesh_dim", None) if hsdp or ddp else None
     return Layout(
         device=_get(pg, "device"),
         offload_to_cpu=isinstance(_get(pg, "offload_policy"), CPUOffloadPolicy),
@@ -351,7 +352,7 @@ def layout(pg) -> Layout:
         replicate_only=replicate_only,
         shard_mesh_rank=0 if replicate_only else mesh_info.shard_mesh_rank,
         all_gather_group=None if replicate_only else _get(pg, "_all_gather_process_group"),  # DDP: none
-        all_reduce_group=_get(pg, "_all_reduce_process_group") if hsdp else None,
+        all_reduce_group=_get(pg, "_all_reduce_process_group") if hsdp or ddp else None,
         post_forward=post_forward,
         reduce_dtype=_get(pg, "_reduce_dtype"),
         params=tuple(params),

@@ -372,15 +372,13 @@ def _read_group(fqn: str, layout: _fsdp2.Layout, settings: Settings, canonical: 
     if layout.mesh_kind not in ("fsdp", "hsdp", "ddp"):  # never an assertion from FSDP2's properties
         raise NotImplementedError(f"{where}: {api}(...) gave it FSDP2's {layout.mesh_kind}, which fsdp_compile.compile "
                                   "does not support (FSDPMeshInfo, HSDPMeshInfo, DDPMeshInfo); train it with eager FSDP2")
-    if layout.replicate_only and api == "replicate":  # FSDP2's DDPMeshInfo: all-reduced gradients, no all-gather
-        raise NotImplementedError(f"{where}: replicate(...) (torch.distributed._composable.replicate_with_fsdp: DDP) is "
-                                  "not supported under fsdp_compile.compile yet; train it with eager replicate, or shard it with fully_shard")
-    if layout.replicate_only:
+    if layout.replicate_only and layout.spmd_mesh:  # replicate(module, mesh=...) is compiled: see below
+        fix = ("name a shard dim too (dp_mesh_dims=DataParallelMeshDims(shard=..., replicate=...))" if api == "fully_shard"
+               else "pass the data-parallel mesh as mesh= (a 1-D mesh, no dp_mesh_dims)")
         raise NotImplementedError(
-            f"{where}: fully_shard(..., dp_mesh_dims=DataParallelMeshDims(replicate=...)) without a shard dim "
+            f"{where}: {api}(..., dp_mesh_dims=DataParallelMeshDims(replicate=...)) without a shard dim "
             "(replicated parameters, all-reduced gradients: DDP) is not supported under fsdp_compile.compile yet; "
-            "name a shard dim too (dp_mesh_dims=DataParallelMeshDims(shard=..., replicate=...)), or train it with "
-            "eager FSDP2"
+            f"{fix}, or train it with eager FSDP2"
         )
     post_forward = {}
     if layout.post_forward is not None:  # int reshard_after_forward: the post-forward group is N ranks of the shard group
@@ -398,8 +396,10 @@ def _read_group(fqn: str, layout: _fsdp2.Layout, settings: Settings, canonical: 
             f"{where}: {setter} {problem}, which fsdp_compile.compile does not support yet; set it back (or use "
             "eager FSDP2 for this model)"
         )
-    group = layout.all_gather_group
-    world_size = group.size()
+    # replicate (FSDP2's DDPMeshInfo) has no shard group: as FSDP2, a one-rank group (no all-gather, no reduce-scatter,
+    # _one_rank) whose gradients are all-reduced over the replicate group, HSDP's path on a 1-wide shard dim
+    group, replicate = layout.all_gather_group, layout.all_reduce_group
+    world_size, rank = (group.size(), group.rank()) if group is not None else (1, 0)
     params = []
     for fp in layout.params:
         param = fp.sharded_param
@@ -410,7 +410,7 @@ def _read_group(fqn: str, layout: _fsdp2.Layout, settings: Settings, canonical: 
             raise ValueError(f"{where_p} is managed by FSDP but not reachable by model.named_parameters()")
         local = param.to_local()
         full = fp.unsharded_shape  # the parameter's shape, or its TP/EP-local one (FSDP2 shards that)
-        expected = rank_rows(full[0], world_size, group.rank())
+        expected = rank_rows(full[0], world_size, rank)
         if local.shape[0] != expected or tuple(local.shape[1:]) != full[1:]:
             raise ValueError(f"{where_p}: local shard {tuple(local.shape)} does not match FSDP2's dim-0 layout of {full} over {world_size} ranks")
         matmul = len(full) >= 2 and not lookup_only.get(param, False)
@@ -443,7 +443,6 @@ def _read_group(fqn: str, layout: _fsdp2.Layout, settings: Settings, canonical: 
     reduce_dtype = layout.reduce_dtype or grad_dtype
     pre = post = None
     reduce_op_name, all_reduce_op = "sum", "sum"
-    replicate = layout.all_reduce_group  # HSDP: all-reduce after the reduce-scatter
     if reduce_dtype is not None:
         pre, post, op, ar_op = _fsdp2.gradient_divide_factors(
             group, replicate, reduce_dtype, layout.device.type, settings.gradient_divide_factor,
@@ -459,7 +458,7 @@ def _read_group(fqn: str, layout: _fsdp2.Layout, settings: Settings, canonical: 
     return GroupPlan(
         fqn=fqn,
         params=tuple(params),
-        group_name=group.group_name,
+        group_name=(group if group is not None else replicate).group_name,
         world_size=world_size,
         reshard_after_forward=settings.reshard_after_forward,
         unshard_in_backward=settings.unshard_in_backward,
@@ -471,6 +470,6 @@ def _read_group(fqn: str, layout: _fsdp2.Layout, settings: Settings, canonical: 
         replicate_group_name=None if replicate is None else replicate.group_name,
         replicate_size=1 if replicate is None else replicate.size(),
         all_reduce_op=all_reduce_op,
-        mesh_dims=(layout.shard_dim_name or "dp", layout.replicate_dim_name or "replicate"),
+        mesh_dims=(layout.shard_dim_name or layout.replicate_dim_name or "dp", layout.replicate_dim_name or "replicate"),
         **post_forward,
     )

@@ -43,6 +43,10 @@ class Case:
     # with replicate > 1: every parameter a Replicate() DTensor on that mesh (distribute_module), fully_shard(...,
     # dp_mesh_dims=DataParallelMeshDims(shard="shard", replicate="replicate")), the batch a DTensor sharded on both
     spmd: bool = False
+    # torch.distributed._composable.replicate_with_fsdp.replicate (FSDP2's DDPMeshInfo: replicated parameters,
+    # all-reduced gradients) on the default 1-D mesh of every rank instead of fully_shard: "all" on every block and
+    # the root; "blocks" on the blocks, the root fully_shard (a mixed model)
+    ddp: str | None = None
     ignored: bool = False  # the root's norm weight in ignored_params: not sharded, its gradient not reduced
     cudagraphs: bool = False  # CompileConfig.cudagraphs (CUDA only: tests/test_cuda.py)
 
@@ -62,6 +66,8 @@ class Case:
             parts.append(f"hsdp{self.replicate}")
         if self.spmd:
             parts.append("dp_mesh_dims")
+        if self.ddp:
+            parts.append(f"replicate={self.ddp}")
         if self.ignored:
             parts.append("ignored")
         if self.cudagraphs:
@@ -123,6 +129,16 @@ def build(case: Case):
         root_kwargs["mp_policy"] = dataclasses.replace(MP[case.mp], output_dtype=torch.float32)
     if case.ignored:
         root_kwargs["ignored_params"] = {m.norm.weight}
+    if case.ddp:
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+
+        for b in blocks:
+            replicate(b, **kwargs)
+        if case.ddp == "blocks":
+            from torch.distributed.fsdp import fully_shard
+
+            return fully_shard(m, **{**kwargs, **root_kwargs})
+        return replicate(m, **{**kwargs, **root_kwargs})
     return shard(m, blocks, root_kwargs, **kwargs)
 
 

@@ -108,15 +108,20 @@ def replicate_only_llama():
     return shard(m, m.layers, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(replicate="dp"))
 
 
-def replicated_llama():
-    """torch.distributed._composable.replicate_with_fsdp.replicate per block and on the root: FSDP2's DDPMeshInfo."""
+def replicated_on_spmd_mesh():
+    """torch.distributed._composable.replicate_with_fsdp.replicate with dp_mesh_dims (parameters Replicate() DTensors
+    on the SPMD mesh). replicate(module) on a 1-D mesh is compiled (test_parity_multirank's replicate cases)."""
     from torch.distributed._composable.replicate_with_fsdp import replicate
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import DataParallelMeshDims
+    from torch.distributed.tensor import distribute_module
 
+    mesh = init_device_mesh("cpu", (8,), mesh_dim_names=("dp",))
     torch.manual_seed(0)
-    m = Llama(LlamaArgs(n_layers=2))
+    m = distribute_module(Llama(LlamaArgs(n_layers=2)), mesh)
     for layer in m.layers:
-        replicate(layer)
-    return replicate(m)
+        replicate(layer, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(replicate="dp"))
+    return replicate(m, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(replicate="dp"))
 
 
 def unknown_mesh_info():
@@ -261,8 +266,9 @@ ROWS = [
      r"reshard_after_forward=2 \(an int\) with parameter '0.weight' a DTensor .*FSDP2 itself does not support"),
     ("dp_mesh_dims", compile_(replicate_only_llama), NotImplementedError,
      r"dp_mesh_dims=DataParallelMeshDims\(replicate=\.\.\.\)\) without a shard dim .*name a shard dim too"),
-    ("replicate", compile_(replicated_llama), NotImplementedError,
-     r"FSDP module '<root>': replicate\(\.\.\.\) \(torch.distributed._composable.replicate_with_fsdp: DDP\) is not supported"),
+    ("replicate with dp_mesh_dims", compile_(replicated_on_spmd_mesh), NotImplementedError,
+     r"FSDP module '<root>': replicate\(\.\.\., dp_mesh_dims=DataParallelMeshDims\(replicate=\.\.\.\)\) without a shard dim "
+     r".*pass the data-parallel mesh as mesh= \(a 1-D mesh, no dp_mesh_dims\)"),
     ("unknown mesh info", compile_(unknown_mesh_info), NotImplementedError,
      r"FSDP module 'layers.1': fully_shard\(\.\.\.\) gave it FSDP2's OtherMeshInfo, which fsdp_compile.compile does not"),
     ("dp_mesh_dims with float8", compile_(float8_on_spmd_mesh), NotImplementedError,

@@ -37,6 +37,11 @@ CASES_2 = [
     Case(model="llama_grouped", n_layers=3),  # fully_shard([layers.0, layers.1]) and layers.2
     Case(model="llama_grouped", n_layers=3, bucket="auto", reorder=True, mp="bf16"),
     Case(ignored=True),  # fully_shard(root, ignored_params={norm.weight}): a plain parameter, local gradient
+    # replicate (FSDP2's DDP): no all-gather, each unit's gradients all-reduced; on the MLP stack in bf16 with
+    # auto buckets; and a mixed model (replicate blocks, a fully_shard root)
+    Case(ddp="all"),
+    Case(model="odd", ddp="all", mp="bf16", bucket="auto", reorder=True),
+    Case(ddp="blocks", mp="bf16"),
 ]
 CASES_4 = [
     Case(model="odd"),
@@ -114,6 +119,22 @@ def test_bucketing_counts(results_2):
     assert none["forward"]["all_gathers"] == 3 + 2 * 9  # one per parameter: the root 3, each block 9
     plan = r[Case(bucket=(("layers.0", "layers.1"),), reorder=True).name]
     assert plan["forward"]["all_gathers"] == 2  # the root, then both blocks in one
+
+
+def test_replicate_all_reduces_only(results_2):
+    """replicate: no all-gather and no reduce-scatter, one all-reduce per unit in backward (FSDP2's foreach_reduce
+    at a world size of 1, then its all-reduce over the replicas); mixed with a fully_shard root, the root is
+    gathered and reduce-scattered and the blocks all-reduced."""
+    for rank in (0, 1):
+        for case in (Case(ddp="all"), Case(model="odd", ddp="all", mp="bf16", bucket="auto", reorder=True)):
+            r = results_2[rank][case.name]
+            assert r["forward"] == {"all_gathers": 0, "reduce_scatters": 0, "all_reduces": 0}, r["forward"]
+            assert r["backward"]["all_gathers"] == r["backward"]["reduce_scatters"] == 0, r["backward"]
+            # one per FSDP module under fsdp_group buckets (bucket="auto" merges or splits units by its cost model)
+            assert r["backward"]["all_reduces"] == 3 if case.bucket == "fsdp_group" else r["backward"]["all_reduces"] >= 1
+        mixed = results_2[rank][Case(ddp="blocks", mp="bf16").name]
+        assert mixed["forward"]["all_gathers"] == 1, mixed["forward"]
+        assert mixed["backward"] == {"all_gathers": 0, "reduce_scatters": 1, "all_reduces": 2}, mixed["backward"]
 
 
 def test_a_group_of_modules_is_one_collective(results_2):

@@ -32,13 +32,13 @@ def _signature(graphs) -> list:
     return [[(collective_kind(n), world_size(n)) for n in g.graph.nodes if collective_kind(n)] for g in graphs]
 
 
-def all_reduce_worker(rank, world_size, *, mp, bucket, no_sync_first):
+def all_reduce_worker(rank, world_size, *, mp, bucket, no_sync_first, ddp=False):
     """2 optimizer steps of 3 micro-batches: all-reduce in the last only (and, with ``no_sync_first``, no
-    gradient sync at all in the first)."""
+    gradient sync at all in the first). ``ddp``: ``replicate`` (FSDP2's DDP) on every rank instead of HSDP."""
     import fsdp_compile as fc
     from fsdp_compile.report import count_collectives
 
-    case = Case(replicate=2, mp=mp)
+    case = Case(ddp="all", mp=mp) if ddp else Case(replicate=2, mp=mp)
     eager, model = build(case), build(case)
     compiled = fc.compile(model, backend="aot_eager", bucket=bucket)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (eager, model)]
@@ -112,6 +112,8 @@ def setters_worker(rank, world_size):
     """Every scenario in one group of ranks; a scenario that raises is reported by name, the others still run."""
     scenarios = {f"all_reduce-{name}": functools.partial(all_reduce_worker, **kw) for name, kw in ALL_REDUCE.items()}
     scenarios["unshard_in_backward"] = unshard_in_backward_worker
+    scenarios["replicate-accumulation"] = functools.partial(all_reduce_worker, mp="bf16", bucket="auto", no_sync_first=True,
+                                                            ddp=True)
     return run_scenarios(scenarios, rank, world_size)
 
 
@@ -154,3 +156,21 @@ def test_unshard_in_backward(results):
         # the blocks are re-gathered in backward, the embedding is not (as in eager); every module reduce-scatters
         assert r["regathered"] == ["layers.0", "layers.1"], r["regathered"]
         assert r["backward"]["reduce_scatters"] == 4, r["backward"]
+
+
+def test_replicate_accumulation(results):
+    """``replicate`` (FSDP2's DDP, 4 ranks, bf16 with an fp32 reduce, ``bucket="auto"``): a micro-batch without
+    gradient sync, one with ``set_requires_all_reduce(False)`` (FSDP2's partial reduce output, no ``.grad``), then
+    the all-reduce; batch shapes differ between ranks. No all-gather and no reduce-scatter anywhere, the all-reduces
+    in the synced backward only, the same collectives in the same order on every rank."""
+    per_rank = scenario(results, "replicate-accumulation")
+    for rank, r in enumerate(per_rank):
+        _bitwise(rank, r)
+        assert all(r["no_grad_before_all_reduce"]), r
+        backward = r["backward"]
+        assert set(backward) == {"no_sync", "no_all_reduce", "all_reduce"}, backward
+        assert all(b["all_gathers"] == b["reduce_scatters"] == 0 for b in backward.values()), backward
+        assert backward["no_sync"]["all_reduces"] == backward["no_all_reduce"]["all_reduces"] == 0, backward
+        assert backward["all_reduce"]["all_reduces"] > 0, backward
+        assert r["dynamo_graphs"] == len(backward), (r["dynamo_graphs"], backward)
+    assert all(r["signature"] == per_rank[0]["signature"] for r in per_rank)
