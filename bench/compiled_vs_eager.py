@@ -48,6 +48,8 @@ column/row-parallel projections) on the tp dim of a (world/N, N) mesh, fully_sha
 one TP group share their batch. With --float8 too, the float8 Linears take torchao's float8 TP styles
 (Float8ColwiseParallel / Float8RowwiseParallel / PrepareFloat8ModuleInput: ``tensor_parallel(float8=True)``);
 on gloo, which has no float8 dtypes, their float8 activation all-gathers go as uint8 (gloo_float8_all_gather).
+With --offload: CPUOffloadPolicy on every fully_shard call (pinned on GPUs: FSDP2's seed configuration), variants
+eager and fc only (issue 50's target: fc's step within 1.3x eager's).
 With --pp N: pipeline parallelism with FSDP stages (bench/_pipeline_bench.py says what runs and counts): eager,
 fc (fc.compile_stage) and compute-only, the split and 1F1B schedule of tests/test_pipeline_multirank.py.
 Bytes per mesh dim (``collective_bytes_per_dim``, dp / tp): eager variants' collectives counted as they run (a
@@ -212,7 +214,7 @@ def make_variant(name: str, model_name: str, backend: str):
 
 
 def build(model_name: str, device: torch.device, sharded: bool | str = True, tp: int = 1, float8_ag: bool | None = None,
-          mp: str | None = None):
+          mp: str | None = None, offload: bool = False):
     """``sharded``: True, torch's fully_shard per block and at the root; False, not sharded; "simplefsdp",
     torchtitan's SimpleFSDP over all ranks. ``float8_ag``: None, no float8; else torchao's float8 Linears,
     with the float8 all-gather or not. ``mp``: a key of ``MP``, FSDP2's mixed precision on every
@@ -253,6 +255,10 @@ def build(model_name: str, device: torch.device, sharded: bool | str = True, tp:
                                mp_policy=policy)
     if mp:
         mesh["mp_policy"] = MP[mp]
+    if offload:
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        mesh["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
     for block in blocks:
         fully_shard(block, **mesh)
     return fully_shard(model, **mesh)
@@ -264,8 +270,8 @@ def logits_of(model_name: str, out):
 
 class Variant:
     def __init__(self, name: str, model_name: str, device: torch.device, make, sharded: bool | str = True, tp: int = 1,
-                 float8_ag: bool | None = None, mp: str | None = None):
-        self.model = build(model_name, device, sharded, tp, float8_ag, mp)
+                 float8_ag: bool | None = None, mp: str | None = None, offload: bool = False):
+        self.model = build(model_name, device, sharded, tp, float8_ag, mp, offload)
         self.precompute = None  # with the float8 all-gather: torchao's scale precompute, after each optimizer step
         if float8_ag:
             from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
@@ -450,6 +456,7 @@ def main():
     ap.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree: FSDP stages under 1F1B (bench/_pipeline_bench.py)")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                     help="auto: GPUs (NCCL) when CUDA is present, else CPU (gloo); cuda: GPUs or an error; cpu: hide GPUs")
+    ap.add_argument("--offload", action="store_true", help="CPUOffloadPolicy on every fully_shard call: eager and fc only")
     ap.add_argument("--mp", default=None, choices=[k for k in MP if k], help="FSDP2 mixed precision (bf16 parameters, fp32 reduce)")
     ap.add_argument("--stem", default=None, help="results file name without extension (default compiled_vs_eager_<model>[...])")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
@@ -484,6 +491,9 @@ def main():
     float8_ag = {name: name.endswith(":float8-ag") for name in names} if args.float8 else {}
     names = [n for n in names if n == "eager" or not args.variants or n in args.variants]
     skipped: dict[str, str] = {}
+    if args.offload:  # the others are not offloaded (compute-only: unsharded) or not ours to compare here
+        skipped.update({n: "--offload: eager and fc only" for n in names if n not in ("eager", "fc")})
+        names = [n for n in names if n in ("eager", "fc")]
     if not args.variants or "simplefsdp" in args.variants:
         why = ("--tp and --float8 runs leave it out" if args.tp > 1 or args.float8 else simple_fsdp_missing())
         if why:
@@ -504,7 +514,7 @@ def main():
         skipped["torch.compile"] = ("fails to compile FSDP2 + TP in torch 2.13 (BackendCompilerFailed); run it alone "
                                     "with --variants torch.compile")
     variants = [Variant(name, args.model, device, make, sharded=SHARD_WITH.get(name, True), tp=args.tp,
-                        float8_ag=float8_ag.get(name), mp=args.mp) for name, make in makers.items()]
+                        float8_ag=float8_ag.get(name), mp=args.mp, offload=args.offload) for name, make in makers.items()]
     if "comm-only" in names:
         variants.insert(names.index("comm-only"), CommOnly(variants[names.index("fc")], device))
     say(f"compiled_vs_eager: '{args.model}', {world} ranks ({dist.get_backend()}), backend={args.backend}, "
@@ -663,7 +673,7 @@ def main():
         if device.type == "cuda":  # which GPU produced these numbers
             payload["gpu"] = H.gpu_info(device)
         stem = args.stem or (f"compiled_vs_eager_{args.model}" + (f"_tp{args.tp}" if args.tp > 1 else "")
-                             + ("_float8" if args.float8 else ""))
+                             + ("_float8" if args.float8 else "") + ("_offload" if args.offload else ""))
         H.write_json(os.path.join(args.out, f"{stem}.json"), payload)
         names = list(results)
         H.bar_chart(

@@ -5,13 +5,16 @@
 #
 #   1. pytest -m cuda tests: the four Triton copy kernels bitwise against their torch references on the
 #      GPU (fp32/bf16/fp16, every src/dst pair, uneven shards), and the compiled step against eager FSDP2
-#      on 1 NCCL rank and, with 8 GPUs, on 8 (tests/test_cuda.py)      -> bench/results/gpu_tests.json
+#      on 1 NCCL rank and, with 8 GPUs, on 8, CUDA graphs and CPU offload (CPUOffloadPolicy(pin_memory=True),
+#      test_cpu_offload_bitwise) against eager on 1 (tests/test_cuda.py) -> bench/results/gpu_tests.json
 #   2. bench/kernels.py --device cuda: the kernels' GB/s against copy_ and FSDP2's own copy ops
 #                                                                       -> bench/results/gpu_kernels.json
 #   3. bench/compiled_vs_eager.py on a 0.95B Llama (bf16 mixed precision, 2 x 2048 tokens per rank):
 #      step time, peak memory and first-step (compile) time of eager FSDP2, torch.compile, fc, fc with
 #      CUDA graphs and the compute-only bound, on 1 GPU and, with 8 or more, on 8 (torchrun)
 #                                                          -> bench/results/gpu_step_llama-1b_w{1,8}.json
+#      and with CPUOffloadPolicy(pin_memory=True), eager and fc on 1 GPU, fewer steps (issue 50's target: fc
+#      within 1.3x eager)                                   -> bench/results/gpu_step_llama-1b_offload_w1.json
 #   4. bench/profile_step.py on 1 GPU: host and device time per bucket (GPU idle), Chrome traces
 #                                                  -> bench/results/gpu_profile_llama-1b.json, traces_llama-1b/
 #
@@ -136,6 +139,11 @@ for W in 1 8; do
     run "bench/compiled_vs_eager.py on $W GPU(s)" "$RESULTS/gpu_step_${MODEL}_w$W.log" \
         "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$W" bench/compiled_vs_eager.py \
         "${STEP_ARGS[@]}" --stem "gpu_step_${MODEL}_w$W"
+    if [ "$W" = 1 ]; then  # CPU offload: the host optimizer makes each step seconds long, so fewer of them
+        run "bench/compiled_vs_eager.py --offload on 1 GPU" "$RESULTS/gpu_step_${MODEL}_offload_w1.log" \
+            "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node 1 bench/compiled_vs_eager.py \
+            "${STEP_ARGS[@]}" --offload --steps 6 --window 3 --peak-steps 2 --stem "gpu_step_${MODEL}_offload_w1"
+    fi
 done
 
 # 4. Where one GPU's step goes: host and device time per bucket for eager, torch.compile, fc and the

@@ -361,6 +361,14 @@ def layout(pg) -> Layout:
     )
 
 
+def offload_device(layout: Layout) -> str | None:
+    """``CPUOffloadPolicy`` on an accelerator: the device type its host shards are copied to before the
+    all-gather (and their gradients copied back from), as FSDP2's ``all_gather_inputs`` and ``foreach_reduce``
+    do; the type alone, so no device index (no rank) is in the graphs. None without offload, and on a CPU
+    device, where FSDP2's copies are no-ops (tests patch this to build the accelerator's graphs on ``cpu``)."""
+    return layout.device.type if layout.offload_to_cpu and layout.device.type != "cpu" else None
+
+
 def gradient_divide_factors(group, replicate_group, reduce_dtype: torch.dtype, device_type: str,
                             factor: float | None, force_sum: bool) -> tuple:
     """FSDP2's ``(pre, post, reduce-scatter op, all-reduce op)`` for a reduction (``_fsdp_collectives``)."""

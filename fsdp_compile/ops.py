@@ -68,6 +68,7 @@ class Comm:
     world_size: int
     kernels: str  # how the fsdp_compile.kernels copy ops around each collective run (unshard_impl): "torch"
     #               their torch references, "triton" one Triton launch each
+    offload: str | None = None  # CPUOffloadPolicy on an accelerator: its device type (to_device, to_host)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,10 +188,27 @@ def _copy_in(shards: Sequence[Tensor], dim0s: Sequence[int], world_size: int, dt
     return torch.cat(flats) if len(flats) > 1 else flats[0].clone()
 
 
+def to_device(shards: Sequence[Tensor], c: Comm) -> list[Tensor]:
+    """CPU offload: the host shards copied to the device first, as FSDP2's ``all_gather_inputs`` copies them
+    (``non_blocking=True``, pinned or not) before its copy-in casts them. ``_to_copy`` itself, not ``.to``:
+    the graphs built on ``cpu`` for the tests (``_fsdp2.offload_device``) keep the copy, which ``.to`` of a
+    tensor already there would skip."""
+    return [torch.ops.aten._to_copy.default(s, device=torch.device(c.offload), non_blocking=True) for s in shards]
+
+
+def to_host(grads: list[Tensor], c: Comm) -> list[Tensor]:
+    """CPU offload: the reduce-scattered shard gradients, already in the parameters' dtype, copied to the
+    host, as FSDP2's ``foreach_reduce`` copies them. Blocking, where FSDP2 copies into pinned memory
+    asynchronously and waits on an event before the optimizer: nothing in a graph would wait for it."""
+    return [torch.ops.aten._to_copy.default(g, device=torch.device("cpu")) for g in grads] if c.offload else grads
+
+
 def unshard_impl(shards: list[Tensor], args: UnshardArgs, payloads: Sequence[Tensor] = ()) -> list[Tensor]:
     """copy-in -> all-gather -> wait -> copy-out, every node annotated with the FSDP group."""
     c = args.comm
     with annotate(UNSHARD, c.fsdp_groups, c.unit):
+        if c.offload:  # an annotated part of the unshard: re-gathered in backward with it (reshard_after_forward)
+            shards = to_device(shards, c)
         if any(args.payloads):  # all-gather extensions: torch ops (the Triton copy kernels take parameters only)
             return _unshard_payloads(shards, args, payloads)
         if c.world_size == 1:  # one rank: each parameter is its shard, or its cast
@@ -268,7 +286,7 @@ def reduce_scatter_grads_impl(grads: list[Tensor], args: ReduceScatterArgs, part
     c, r = args.comm, args.reduction
     with annotate(REDUCE_SCATTER, c.fsdp_groups, c.unit):
         if c.world_size == 1 and r.all_reduce_group is None:  # one rank (_one_rank)
-            return [one_rank.grad(g, r, args.orig_dtype) for g in grads]
+            return to_host([one_rank.grad(g, r, args.orig_dtype) for g in grads], c)
         packed = K.reduce_scatter_copy_in(grads, c.world_size, dtype=r.dtype, impl=c.kernels)  # unshard_impl says why an op
         op = r.op
         if op == "premul_sum" and c.world_size == 1:  # HSDP on a one-rank shard dim: FSDP2 divides (_one_rank.grad)
@@ -283,14 +301,14 @@ def reduce_scatter_grads_impl(grads: list[Tensor], args: ReduceScatterArgs, part
         full_shapes = [tuple(g.shape) for g in grads]
         rank = _rank_of_rows([g.shape[0] for g in grads], args.local_rows, c.world_size)
         if r.all_reduce_group is not None:  # HSDP: then across the replicas, as FSDP2's foreach_reduce
-            if not args.all_reduce:  # FSDP2 keeps this partial output as it is: no all-reduce, no post-divide
+            if not args.all_reduce:  # FSDP2 keeps this partial output as it is (on the device): no all-reduce, no post-divide
                 return K.reduce_scatter_copy_out(reduced, full_shapes, c.world_size, rank, dtype=reduced.dtype, impl=c.kernels)
             if any(p is not None for p in partials):
                 reduced = _add_partials(reduced, partials, full_shapes, args.local_rows, c.world_size)
             reduced = _c10d.wait_tensor(_c10d.all_reduce(reduced, r.all_reduce_op, r.all_reduce_group))
         if r.post_factor is not None and r.post_factor != 1:
             reduced = reduced / r.post_factor
-        return K.reduce_scatter_copy_out(reduced, full_shapes, c.world_size, rank, dtype=args.orig_dtype, impl=c.kernels)
+        return to_host(K.reduce_scatter_copy_out(reduced, full_shapes, c.world_size, rank, dtype=args.orig_dtype, impl=c.kernels), c)
 
 
 def _add_partials(reduced: Tensor, partials: Sequence[Tensor | None], full_shapes, local_rows, world_size: int) -> Tensor:
@@ -346,7 +364,8 @@ def unshard(shards: list[Tensor], sinks: list[Optional[Tensor]], accumulated: li
 def _(shards, sinks, accumulated, partial_sinks, partials, payloads, args):
     a = UnshardArgs.decode(args)
     if not any(a.payloads):
-        return [s.new_empty((d, *s.shape[1:]), dtype=a.param_dtype or s.dtype) for s, d in zip(shards, a.dim0s)]
+        device = a.comm.offload  # None: the shards' own
+        return [s.new_empty((d, *s.shape[1:]), dtype=a.param_dtype or s.dtype, device=device) for s, d in zip(shards, a.dim0s)]
     outs, it, w = [], iter(payloads), a.comm.world_size
     for s, d, n in zip(shards, a.dim0s, a.payloads):
         dtype = a.param_dtype or s.dtype
@@ -372,7 +391,8 @@ def reduce_scatter_grads(grads: list[Tensor], partials: list[Optional[Tensor]], 
 def _(grads, partials, args):
     a = ReduceScatterArgs.decode(args)
     dtype = a.orig_dtype if a.all_reduce else a.reduction.dtype
-    return [g.new_empty((rows, *g.shape[1:]), dtype=dtype) for g, rows in zip(grads, a.local_rows)]
+    device = "cpu" if a.comm.offload and a.all_reduce else None  # None: the gradients' own (to_host)
+    return [g.new_empty((rows, *g.shape[1:]), dtype=dtype, device=device) for g, rows in zip(grads, a.local_rows)]
 
 
 @torch.library.custom_op("fsdp_compile::post_forward_shard", mutates_args=())

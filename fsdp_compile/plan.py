@@ -66,6 +66,7 @@ class BucketKey(NamedTuple):
     unshard_in_backward: bool = True  # set_unshard_in_backward: a unit is re-gathered in backward for all or none
     # "sync" | "no_sync" | "no_all_reduce" (HSDP): set only while it differs between modules (bucket="auto")
     gradient_sync: str | None = None
+    offload: str | None = None  # CPUOffloadPolicy on an accelerator (GroupPlan.offload)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +99,7 @@ class GroupPlan:
     # a module holding other FSDP modules (the root): its parameters registered before theirs (an embedding),
     # which its forward uses before them; the rest (a final norm, an output head) it uses after them
     leading: tuple[str, ...] = ()
+    offload: str | None = None  # CPUOffloadPolicy on an accelerator: its device type (_fsdp2.offload_device)
 
     @property
     def unsharded_bytes(self) -> int:
@@ -123,7 +125,7 @@ class GroupPlan:
         return BucketKey(self.group_name, self.world_size, self.reshard_after_forward, self.params[0].orig_dtype,
                          self.param_dtype, self.reduce_dtype, self.reduce_op, self.pre_factor, self.post_factor,
                          self.replicate_group_name, self.all_reduce_op, self.post_forward_group_name,
-                         self.unshard_in_backward)
+                         self.unshard_in_backward, offload=self.offload)
 
 
 def _padded_numel(shape: tuple[int, ...], world_size: int) -> int:
@@ -145,7 +147,7 @@ class ShardingPlan:
              "param_dtype": str(g.param_dtype), "reduce_dtype": str(g.reduce_dtype), "reduce_op": g.reduce_op,
              "pre_factor": g.pre_factor, "post_factor": g.post_factor, "replicate_size": g.replicate_size,
              "all_reduce_op": g.all_reduce_op, "post_forward_size": g.post_forward_size,
-             "unshard_in_backward": g.unshard_in_backward,
+             "unshard_in_backward": g.unshard_in_backward, "offload": g.offload,
              "forward_prefetch": list(g.forward_prefetch), "backward_prefetch": list(g.backward_prefetch),
              "leading": list(g.leading),
              "params": [{"fqn": p.fqn, "shape": list(p.full_shape), "dtype": str(p.orig_dtype),
@@ -361,14 +363,7 @@ def _with_leading(groups: list[GroupPlan], order: list[str]) -> tuple[GroupPlan,
 def _read_group(fqn: str, layout: _fsdp2.Layout, settings: Settings, canonical: dict, lookup_only: dict,
                 module_names: dict, api: str = "fully_shard") -> GroupPlan:
     where = f"FSDP module {fqn or '<root>'!r}"
-    if layout.offload_to_cpu and layout.device.type != "cpu":
-        # On a CPU device the offloaded shards, gradients and optimizer state already live where compute
-        # does (FSDP2's host copies are no-ops), so the compiled step is FSDP2's; on an accelerator the graph
-        # would need the host-device copies around each collective, which is not built yet.
-        raise NotImplementedError(
-            f"{where}: offload_policy=CPUOffloadPolicy() on {layout.device.type} is not supported under "
-            "fsdp_compile.compile yet (it is on CPU devices); train it with eager FSDP2, or drop the offload"
-        )
+    offload = _fsdp2.offload_device(layout)
     if layout.mesh_kind not in ("fsdp", "hsdp", "ddp"):  # never an assertion from FSDP2's properties
         raise NotImplementedError(f"{where}: {api}(...) gave it FSDP2's {layout.mesh_kind}, which fsdp_compile.compile "
                                   "does not support (FSDPMeshInfo, HSDPMeshInfo, DDPMeshInfo); train it with eager FSDP2")
@@ -429,6 +424,10 @@ def _read_group(fqn: str, layout: _fsdp2.Layout, settings: Settings, canonical: 
                 f"{where_p}: an all-gather extension ({type(local).__name__}) with fully_shard(..., dp_mesh_dims=...) "
                 "is not supported under fsdp_compile.compile yet; pass the data-parallel mesh as mesh= instead"
             )
+        if fp.all_gather_extension and offload:  # FSDP2 would run fsdp_pre_all_gather on the copied shard
+            raise NotImplementedError(
+                f"{where_p}: an all-gather extension ({type(local).__name__}) with offload_policy=CPUOffloadPolicy() "
+                f"on {offload} is not supported under fsdp_compile.compile yet; train it with eager FSDP2, or drop the offload")
         if fp.all_gather_extension:
             from fsdp_compile import _extensions
 
@@ -471,5 +470,6 @@ def _read_group(fqn: str, layout: _fsdp2.Layout, settings: Settings, canonical: 
         replicate_size=1 if replicate is None else replicate.size(),
         all_reduce_op=all_reduce_op,
         mesh_dims=(layout.shard_dim_name or layout.replicate_dim_name or "dp", layout.replicate_dim_name or "replicate"),
+        offload=offload,
         **post_forward,
     )

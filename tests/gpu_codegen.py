@@ -128,9 +128,9 @@ def kernels(arch: int) -> dict:
 # graphs
 
 
-def build(model: str):
+def build(model: str, offload: bool = False):
     import torch
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
     torch.manual_seed(0)
     if model == "tiny":
@@ -151,9 +151,10 @@ def build(model: str):
         blocks = m.model.layers
         ids = torch.randint(0, 512, (2, 32))
         args, kwargs = (), {"input_ids": ids, "labels": ids}
+    policy = {"offload_policy": CPUOffloadPolicy(pin_memory=False)} if offload else {}
     for block in blocks:
-        fully_shard(block)
-    fully_shard(m)
+        fully_shard(block, **policy)
+    fully_shard(m, **policy)
     return m, args, kwargs
 
 
@@ -188,12 +189,56 @@ def planned_matmuls(gm) -> list[tuple[str, int]]:
     return [tuple(x) for x in out]
 
 
+@contextlib.contextmanager
+def offload_copies():
+    """CPU offload's graphs as on an accelerator, built on cpu (``parity.host_copies``), with their copies
+    (``ops.to_device``/``to_host``) kept as the ``prims.device_put`` nodes Inductor makes of them on cuda:
+    cpu to cpu, its decomposition of ``_to_copy`` and its post-grad passes drop them as no-ops."""
+    from unittest import mock
+
+    import torch
+    from torch._inductor.fx_passes import post_grad
+
+    from parity import host_copies
+
+    from fsdp_compile import backend
+
+    put, real_table = torch.ops.prims.device_put.default, backend._decomp_table
+
+    def table():  # _to_copy's decomposition drops a copy to the tensor's own device: keep it a device_put
+        decomps = real_table()
+        to_copy = decomps[torch.ops.aten._to_copy.default]
+
+        def copy(x, *, device=None, non_blocking=False, **kwargs):
+            if device is not None and all(v is None for v in kwargs.values()) and torch.device(device) == x.device:
+                return put(x, device, non_blocking)
+            return to_copy(x, device=device, non_blocking=non_blocking, **kwargs)
+
+        return {**decomps, torch.ops.aten._to_copy.default: copy}
+
+    with host_copies(), mock.patch.object(backend, "_decomp_table", table), \
+            mock.patch.dict(post_grad.noop_registry, {put: (lambda *args, **kwargs: False, 0)}):
+        yield
+
+
+def _host_copies(gm) -> tuple[list, list]:
+    """CPU offload's copies in a graph captured under ``offload_copies``: (to the device, non-blocking as FSDP2's;
+    to the host, blocking)."""
+    import torch
+
+    puts = gm.graph.find_nodes(op="call_function", target=torch.ops.prims.device_put.default)
+    blocking = {n: (n.args[2] if len(n.args) > 2 else n.kwargs.get("non_blocking", False)) for n in puts}
+    return [n for n in puts if blocking[n]], [n for n in puts if not blocking[n]]
+
+
 def _retarget(gm) -> int:
-    """Every cpu device constant in the graph and its region bodies -> cuda:0; returns how many."""
+    """Every cpu device constant in the graph and its region bodies -> cuda:0, but CPU offload's copies to the
+    host; returns how many."""
     import torch
     import torch.utils._pytree as pytree
 
     cuda, n = torch.device("cuda", 0), 0
+    to_host = set(_host_copies(gm)[1])
 
     def fix(a):
         nonlocal n
@@ -205,7 +250,8 @@ def _retarget(gm) -> int:
     for sub in gm.modules():
         if isinstance(sub, torch.fx.GraphModule):
             for node in sub.graph.nodes:
-                node.args, node.kwargs = pytree.tree_map(fix, node.args), pytree.tree_map(fix, node.kwargs)
+                if node not in to_host:
+                    node.args, node.kwargs = pytree.tree_map(fix, node.args), pytree.tree_map(fix, node.kwargs)
             sub.recompile()
     return n
 
@@ -223,6 +269,23 @@ def _propagate(gm, inputs, mode) -> None:
             _propagate(getattr(gm, node.args[0].target), operands, mode)
 
 
+def wrapper_host_copies(code: str) -> dict:
+    """CPU offload's copies in a generated CUDA wrapper: host-to-device (``bufN.copy_(primals_K, True)``, into a
+    cuda buffer) and device-to-host (``copy_(bufM, False)`` into an ``empty_strided_cpu`` buffer), and where
+    they go: every H2D buffer into a copy-in (the all-gather's input), every D2H source an output of a
+    reduce-scatter copy-out (a shard gradient)."""
+    to_device = dict(re.findall(r"(buf\d+)\.copy_\((primals_\d+), True\)", code))
+    cpu = set(re.findall(r"(buf\d+) = empty_strided_cpu\(", code))
+    to_host = {dst: src for dst, src in re.findall(r"(buf\d+)\.copy_\((buf\d+), False\)", code) if dst in cpu}
+    copy_ins = [re.findall(r"buf\d+", args) for args in re.findall(r"fsdp_compile\.all_gather_copy_in\.default\(\[([^\]]*)\]", code)]
+    outs = set(re.findall(r"(buf\d+) = torch\.ops\.fsdp_compile\.reduce_scatter_copy_out\.default\(", code))
+    items = {item for item, whole in re.findall(r"(buf\d+) = (buf\d+)\[\d+\]", code) if whole in outs}
+    return {"to_device": len(to_device), "to_host": len(to_host), "cpu_buffers": len(cpu),
+            "to_device_into_copy_in": sum(b in to_device for args in copy_ins for b in args),
+            "copy_in_inputs": sum(len(args) for args in copy_ins),
+            "to_host_of_copy_out": sum(src in items for src in to_host.values())}
+
+
 def codegen_cuda(gm, is_backward: bool) -> str:
     """Inductor's CUDA wrapper + kernels for ``gm`` (captured on CPU), as text; needs pretend_cuda()."""
     import torch
@@ -233,11 +296,12 @@ def codegen_cuda(gm, is_backward: bool) -> str:
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     inputs = []
+    host = {c.args[0] for c in _host_copies(gm)[0]}  # CPU offload: the sharded parameters stay on the host
     for node in gm.graph.find_nodes(op="placeholder"):
         v = node.meta.get("val")
         if isinstance(v, torch.Tensor):
             with mode:
-                v = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="cuda")
+                v = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="cpu" if node in host else "cuda")
         inputs.append(v)
     _propagate(gm, inputs, mode)
     # fsdp_compile's backend compiles with these (backend.py); no FX graph cache: a hit skips codegen
@@ -245,7 +309,7 @@ def codegen_cuda(gm, is_backward: bool) -> str:
         return "\n".join(get_code(lambda: compile_fx_inner(gm, inputs, is_backward=is_backward)))
 
 
-def graphs(model: str, kernels_mode: str, out_dir: str) -> dict:
+def graphs(model: str, kernels_mode: str, out_dir: str, offload: bool = False) -> dict:
     import torch
     import torch.distributed as dist
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -258,15 +322,16 @@ def graphs(model: str, kernels_mode: str, out_dir: str) -> dict:
 
     t = time.perf_counter()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
-    m, args, kwargs = build(model)
+    m, args, kwargs = build(model, offload)
     cfg = CompileConfig(backend="inductor", kernels=kernels_mode, hardware="h100-nvlink")
-    with sdpa_kernel([SDPBackend.MATH]):
+    with sdpa_kernel([SDPBackend.MATH]), offload_copies() if offload else contextlib.nullcontext():
         report, captured = explain_with_graphs(m, args, kwargs, cfg)
     result = {"model": model, "kernels": kernels_mode, "capture_seconds": round(time.perf_counter() - t, 1), "graphs": []}
     os.makedirs(out_dir, exist_ok=True)
     for kind, gms in (("forward", captured.forward), ("backward", captured.backward)):
         for i, gm in enumerate(gms):
             planned = planned_matmuls(gm)
+            to_device, to_host = (len(c) for c in _host_copies(gm))
             retargeted = _retarget(gm)
             t = time.perf_counter()
             with pretend_cuda(90):
@@ -282,6 +347,8 @@ def graphs(model: str, kernels_mode: str, out_dir: str) -> dict:
                 "cublas_calls": len(re.findall(r"extern_kernels\.(?:mm|addmm|bmm|baddbmm)\(", code)),
                 "fsdp_compile_ops": sorted(set(re.findall(r"torch\.ops\.fsdp_compile\.(\w+)", code))),
                 "cpu_code": sorted(set(CPU_CODE.findall(code))),
+                "host_copies": {"to_device": to_device, "to_host": to_host},  # in the graph (offload)
+                "wrapper_host_copies": wrapper_host_copies(code),
                 "problems": check.problems,
                 "planned": planned,
                 "generated": [(c.op, c.matmuls_between, c.kernels_between) for c in check.collectives],
@@ -329,6 +396,7 @@ def main(argv=None) -> None:
     g.add_argument("--model", choices=("tiny", "hf-llama"), default="tiny")
     g.add_argument("--kernels", choices=("torch", "triton"), default="torch")
     g.add_argument("--out", required=True)
+    g.add_argument("--offload", action="store_true", help="CPUOffloadPolicy on every fully_shard call")
     c = sub.add_parser("compile")
     c.add_argument("paths", nargs="+")
     a = ap.parse_args(argv)
@@ -342,7 +410,7 @@ def main(argv=None) -> None:
         sys.modules["numpy"] = None  # ``import numpy`` raises ModuleNotFoundError
     if a.step != "graphs" and os.environ.get("TRITON_INTERPRET"):
         raise SystemExit("unset TRITON_INTERPRET: this step compiles Triton kernels for a GPU")
-    result = {"kernels": lambda: kernels(a.arch), "graphs": lambda: graphs(a.model, a.kernels, a.out),
+    result = {"kernels": lambda: kernels(a.arch), "graphs": lambda: graphs(a.model, a.kernels, a.out, a.offload),
               "compile": lambda: compile_wrappers(a.paths)}[a.step]()
     print(json.dumps(result))
 

@@ -7,6 +7,7 @@ multi-rank tests (inside spawned gloo ranks) and by the demo.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -38,7 +39,10 @@ class Case:
     reorder: bool = False
     regions: bool = True  # CompileConfig.regions
     inline: bool = False  # a second compiled model with regions off, checked too (the differential guard)
-    offload: bool = False  # CPUOffloadPolicy(pin_memory=False) on every FSDP module
+    offload: bool | str = False  # CPUOffloadPolicy(pin_memory=False) on every FSDP module; "pinned": pin_memory=True (GPUs)
+    # with offload: the accelerator's graphs (host-device copies around the collectives, ops.to_device/to_host)
+    # built with cpu as the device (``host_copies``)
+    host_copies: bool = False
     replicate: int = 1  # > 1: a (replicate, world/replicate) mesh, HSDP (= world: FSDP1's NO_SHARD)
     # with replicate > 1: every parameter a Replicate() DTensor on that mesh (distribute_module), fully_shard(...,
     # dp_mesh_dims=DataParallelMeshDims(shard="shard", replicate="replicate")), the batch a DTensor sharded on both
@@ -61,7 +65,7 @@ class Case:
         if not self.regions:
             parts.append("no-regions")
         if self.offload:
-            parts.append("offload")
+            parts.append("offload" + ("+pinned" if self.offload == "pinned" else "") + ("+host_copies" if self.host_copies else ""))
         if self.replicate > 1:
             parts.append(f"hsdp{self.replicate}")
         if self.spmd:
@@ -104,7 +108,7 @@ def build(case: Case):
     if case.offload:
         from torch.distributed.fsdp import CPUOffloadPolicy
 
-        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=case.offload == "pinned")
     if case.reshard is not None:
         kwargs["reshard_after_forward"] = case.reshard
     if case.replicate > 1:
@@ -196,7 +200,22 @@ def record_step(out: dict, eager, model, opts) -> None:
     out["param_diff"].append(max_diff(list(eager.parameters()), list(model.parameters())))
 
 
+def host_copies():
+    """CPU offload compiled as on an accelerator, with ``cpu`` as its device: the plan (read at ``compile``)
+    asks for the host-device copies that a CPU device does not need (``_fsdp2.offload_device``)."""
+    from unittest import mock
+
+    from fsdp_compile import _fsdp2
+
+    return mock.patch.object(_fsdp2, "offload_device", lambda layout: "cpu" if layout.offload_to_cpu else None)
+
+
 def run_case(case: Case, rank: int, world_size: int) -> dict:
+    with host_copies() if case.host_copies else contextlib.nullcontext():  # for every plan read, not only compile's
+        return _run_case(case, rank, world_size)
+
+
+def _run_case(case: Case, rank: int, world_size: int) -> dict:
     """Eager FSDP2 and the compiled model, trained side by side. With ``case.inline`` (and regions on, under
     ``aot_eager``: the bitwise cases) a third model is compiled with regions off, the differential guard: a
     region must compute what the inline compile computes (``inline_*`` keys). Under Inductor, whose results
@@ -265,6 +284,10 @@ def run_case(case: Case, rank: int, world_size: int) -> dict:
         "".join(g.code for g in comp.captured.forward + comp.captured.backward).encode()
     ).hexdigest()
     out["cudagraphs"] = [d.to_dict() for d in comp.captured.cudagraphs]
+    out["device_copies"] = {  # host-device copies (CPU offload on an accelerator, or host_copies)
+        kind: sum(n.target is torch.ops.aten._to_copy.default and "device" in n.kwargs
+                  for g in getattr(comp.captured, kind) for n in g.graph.nodes) for kind in ("forward", "backward")
+    }
     for c in compiled.values():
         c.close()  # before the process group goes: the CUDA graphs hold its communicators
     return out

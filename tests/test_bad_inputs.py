@@ -175,12 +175,16 @@ def per_param_mesh_root():
     return shard(m, m.layers, root_kwargs={"shard_placement_fn": place})
 
 
-def offloaded_on_accelerator():
-    """CPUOffloadPolicy on a model whose FSDP2 device is an accelerator. No accelerator here: the CPU model's
-    param groups are told theirs is ``cuda``, which is all the refusal reads."""
+def offloaded_extension_on_accelerator():
+    """CPUOffloadPolicy with an all-gather extension on a model whose FSDP2 device is an accelerator. No
+    accelerator here: the CPU model's param groups are told theirs is ``cuda``, which is all the refusal reads."""
     from torch.distributed.fsdp import CPUOffloadPolicy
 
-    m = llama(offload_policy=CPUOffloadPolicy(pin_memory=False))
+    from extensions import Int8Gathered, convert_linears
+
+    torch.manual_seed(0)
+    m = convert_linears(Llama(LlamaArgs(n_layers=2)), Int8Gathered)
+    shard(m, list(m.layers), offload_policy=CPUOffloadPolicy(pin_memory=False))
     for module in m.modules():
         if hasattr(module, "_get_fsdp_state"):
             for pg in module._get_fsdp_state()._fsdp_param_groups:
@@ -276,7 +280,8 @@ ROWS = [
     ("Shard(1) placements", compile_(shard_dim_1), NotImplementedError, r"only Shard\(0\) placements"),
     ("per-parameter meshes around FSDP modules", compile_(per_param_mesh_root), NotImplementedError,
      r"FSDP module '<root>' has 2 parameter groups \(per-parameter meshes from shard_placement_fn\) and holds other"),
-    ("offload on an accelerator", compile_(offloaded_on_accelerator), NotImplementedError,
+    ("offload with an all-gather extension on an accelerator", compile_(offloaded_extension_on_accelerator),
+     NotImplementedError, r"parameter '\S+': an all-gather extension \(Int8Gathered\) with "
      r"offload_policy=CPUOffloadPolicy\(\) on cuda is not supported .*train it with eager FSDP2, or drop the offload"),
     # FSDP2 setters we cannot compile: refused naming the setter (set after compile: at the next call)
     ("set_reshard_after_backward", compile_(with_setter("set_reshard_after_backward", False)), NotImplementedError,

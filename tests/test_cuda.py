@@ -554,3 +554,28 @@ def test_watchdog_aborts_a_replay_past_its_deadline():
             dog.check()
     finally:
         dog.stop()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# (e) CPUOffloadPolicy(pin_memory=True): sharded parameters, their gradients and AdamW on the host, each
+#     unshard copying the shards to the GPU inside the graph before its copy-in and each reduce-scatter's
+#     shard gradients back after it (ops.to_device / to_host; their placement: tests/test_offload.py),
+#     bitwise against eager FSDP2 with the same policy under aot_eager (the copies move bytes only).
+
+OFFLOAD_CASES = [
+    Case(offload="pinned"),
+    Case(offload="pinned", mp="bf16", bucket="auto", reorder=True, n_layers=3),
+]
+
+
+@pytest.mark.skipif(GPUS > 0 and not dist.is_nccl_available(), reason="this torch build has no NCCL")
+def test_cpu_offload_bitwise():
+    (r,) = run_nccl_ranks(nccl_worker_parity, 1, OFFLOAD_CASES)
+    for case in OFFLOAD_CASES:
+        c = r[case.name]
+        assert c["graph_breaks"] == 0 and c["dynamo_graphs"] == 1, (case.name, c)
+        assert c["grad_types"] == ["DTensor"], (case.name, c["grad_types"])
+        assert c["device_copies"]["forward"] > 0 and c["device_copies"]["backward"] > 0, (case.name, c["device_copies"])
+        assert c["loss_compiled"] == c["loss_eager"], (case.name, c["loss_eager"], c["loss_compiled"])
+        assert max(c["grad_diff"]) == 0.0 and max(c["param_diff"]) == 0.0, (case.name, c)
+        assert max(c["compiled_buffer_diff"]) == 0.0, (case.name, c)

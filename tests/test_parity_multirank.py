@@ -34,6 +34,8 @@ CASES_2 = [
     # the default bucketing and reordering, each also compiled with regions off (the differential guard)
     *(Case(model=p, bucket="auto", reorder=True, inline=True) for p in PATTERNS),
     Case(offload=True),  # CPUOffloadPolicy on a CPU device: what eager FSDP2 does there
+    # ... and the accelerator's graphs, host-device copies around each collective, on cpu: bitwise too
+    Case(offload=True, host_copies=True, mp="bf16"),
     Case(model="llama_grouped", n_layers=3),  # fully_shard([layers.0, layers.1]) and layers.2
     Case(model="llama_grouped", n_layers=3, bucket="auto", reorder=True, mp="bf16"),
     Case(ignored=True),  # fully_shard(root, ignored_params={norm.weight}): a plain parameter, local gradient
@@ -79,6 +81,14 @@ def _check_bitwise(results, case):
             assert max(r[f"{name}_grad_diff"]) == 0.0, (rank, name, r[f"{name}_grad_diff"])
             assert max(r[f"{name}_param_diff"]) == 0.0, (rank, name, r[f"{name}_param_diff"])
             assert max(r[f"{name}_buffer_diff"]) == 0.0, (rank, name, r[f"{name}_buffer_diff"])
+
+
+def test_offload_host_copies_are_in_the_graphs(results_2):
+    """The ``host_copies`` case trained with the copies test_offload.py places (and the other offload case without)."""
+    for per_rank in results_2:
+        with_copies = per_rank[Case(offload=True, host_copies=True, mp="bf16").name]["device_copies"]
+        assert with_copies["forward"] > 0 and with_copies["backward"] > with_copies["forward"], with_copies
+        assert per_rank[Case(offload=True).name]["device_copies"] == {"forward": 0, "backward": 0}
 
 
 @pytest.mark.parametrize("case", CASES_2, ids=lambda c: c.name)
