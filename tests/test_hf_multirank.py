@@ -1,6 +1,7 @@
 """HF transformers decoders, sharded with torch's ``fully_shard`` per decoder layer, compiled as one graph
 and trained bitwise like eager FSDP2 (aot_eager, fp32) on 2 gloo ranks: Llama, GPT-2 (tied embeddings,
-Conv1D, a logging call in its loss), Qwen3 (q/k norms) and Phi-3 (fused qkv and gate/up projections).
+Conv1D, a logging call in its loss), Qwen3 (q/k norms), Phi-3 (fused qkv and gate/up projections), Qwen2 (q/k/v
+biases) and Gemma (tied embeddings, scaled by sqrt(hidden)). tests/test_hf_distributed_multirank runs them in bf16.
 
 The loss is the model's own (``labels=``), so transformers' loss functions run inside the graph too.
 Dropout is off: eager and compiled draw random numbers differently.
@@ -16,10 +17,10 @@ pytestmark = pytest.mark.multirank
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 512
-FAMILIES = ["llama", "gpt2", "qwen3", "phi3"]
+FAMILIES = ["llama", "gpt2", "qwen3", "phi3", "qwen2", "gemma"]
 # Training without a KV cache lets the layers share one trace on torch 2.13 (tests/test_regions.py); with
 # one, each layer is traced. Both ways are common in training scripts.
-NO_CACHE = {"llama", "phi3"}
+NO_CACHE = {"llama", "phi3", "qwen2", "gemma"}
 
 
 def build(family: str):
@@ -39,6 +40,8 @@ def build(family: str):
             "llama": (t.LlamaConfig, t.LlamaForCausalLM),
             "qwen3": (t.Qwen3Config, t.Qwen3ForCausalLM),
             "phi3": (t.Phi3Config, t.Phi3ForCausalLM),
+            "qwen2": (t.Qwen2Config, t.Qwen2ForCausalLM),
+            "gemma": (t.GemmaConfig, t.GemmaForCausalLM),
         }[family]
         cfg = config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=2, max_position_embeddings=64, head_dim=16, **common)
