@@ -23,37 +23,53 @@ class ParallelSpec:
     # fully_shard(..., dp_mesh_dims=...): ``mesh`` is the full SPMD mesh, Replicate() on these data-parallel dims,
     # where its gradient keeps whatever placement it has (Partial: FSDP's reduce-scatter sums it)
     dp_dims: tuple[int, ...] = ()
+    # spmd_types (torch >= 2.14): the module is handed the gathered plain tensor, not the DTensor; its gradient is read
+    # as a DTensor with these placements (FSDPParam._spmd_grad_placements) and redistributed on the non-dp dims to
+    # ``placements`` (an all-reduce over tp for an R-typed weight), as FSDP2's _get_grad_inner_tensor does
+    grad_placements: tuple | None = None
 
     @property
     def dim_names(self) -> tuple[str, ...]:
         return self.mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(self.mesh.ndim))
 
     def describe(self) -> str:
-        return ", ".join(f"{n}={p!r}" for n, p in zip(self.dim_names, self.placements))
+        out = ", ".join(f"{n}={p!r}" for n, p in zip(self.dim_names, self.placements))
+        if self.grad_placements is not None:
+            out += " (plain tensor; gradient from " + ", ".join(map(repr, self.grad_placements)) + ")"
+        return out
 
 
 def parallel_spec(where: str, spec, dp_dims: tuple[int, ...], spmd_grad_placements: tuple | None,
                   ) -> ParallelSpec | None:
     """What the module is handed for an FSDP2 parameter whose unsharded spec is ``spec`` (a DTensorSpec): that
     DTensor (``ParallelSpec``), or, for a parameter annotated by spmd_types (torch >= 2.14: FSDP2 stores it as a
-    DTensor on the SPMD mesh and hands the module the gathered plain tensor), None: a plain FSDP parameter,
-    whose gradient FSDP2 reduce-scatters as it is where it redistributes nothing (``_get_grad_inner_tensor``:
-    the gradient's placements, Partial on the data-parallel dims, are kept there, and equal the spec's on the
-    others, as under data parallelism alone)."""
+    DTensor on the SPMD mesh and hands the module the gathered plain tensor), the plain tensor: None (a plain
+    FSDP parameter) where FSDP2 reduce-scatters its gradient as it is (``_get_grad_inner_tensor``: the gradient's
+    placements, Partial on the data-parallel dims, are kept there, and equal the spec's on the others, as under
+    data parallelism alone), else a ``ParallelSpec`` with ``grad_placements``: the gradient is all-reduced over
+    the dims where it is ``Partial(sum)`` and stored ``Replicate`` (torchtitan's TP: the R-typed weights of the
+    sequence-parallel norms, "tp: P(sum) -> R") before the reduce-scatter. Any other move is refused."""
+    from torch.distributed.tensor import Replicate
+
     placements = tuple(spec.placements)
     if spmd_grad_placements is None:
         return ParallelSpec(spec.mesh, placements, tuple(spec.shape), tuple(spec.stride), dp_dims)
     names = spec.mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(spec.mesh.ndim))
-    moved = [f"{names[i]}: {g} -> {p}" for i, (g, p) in enumerate(zip(spmd_grad_placements, placements))
-             if i not in dp_dims and g != p]
-    if moved:  # FSDP2 redistributes the gradient there first (an all-reduce over tp for an R-typed weight)
+    moved = [(i, g, p) for i, (g, p) in enumerate(zip(spmd_grad_placements, placements)) if i not in dp_dims and g != p]
+    if not moved:
+        return None
+    other = [f"{names[i]}: {g} -> {p}" for i, g, p in moved
+             if not (g.is_partial() and getattr(g, "reduce_op", None) == "sum" and p == Replicate())]
+    if other:
         raise NotImplementedError(
             f"{where}: a parameter annotated by spmd_types (torchtitan's spmd_backend=\"spmd_types\") whose "
-            f"gradient FSDP2 redistributes on a non-data-parallel mesh dim ({'; '.join(moved)}) is not supported "
-            "under fsdp_compile.compile yet (data parallelism alone is); use spmd_backend=\"full_dtensor\" or "
+            f"gradient FSDP2 redistributes on a non-data-parallel mesh dim ({'; '.join(other)}) is not supported "
+            "under fsdp_compile.compile (data parallelism alone is, and an all-reduce of a Partial(sum) gradient to "
+            "a Replicate weight, as TP's R-typed weights have); use spmd_backend=\"full_dtensor\" or "
             "\"partial_dtensor\" (parameters as DTensors), or train it with eager FSDP2"
         )
-    return None
+    return ParallelSpec(spec.mesh, placements, tuple(spec.shape), tuple(spec.stride), dp_dims,
+                        tuple(spmd_grad_placements))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -184,6 +184,30 @@ def test_layout_tensor_parallel():
         assert col.sharded_param.to_local().shape == (1, 8)  # dp rank 1 of the TP-local (3, 8): its last row
 
 
+def test_spmd_types_gradient_moves():
+    """What ``_param_specs.parallel_spec`` makes of an spmd_types parameter (torch >= 2.14) from FSDP2's storage
+    placements and ``_spmd_grad_placements`` on a (dp_shard, tp) mesh: nothing moved off the data-parallel dims,
+    a plain FSDP parameter (None); Partial(sum) -> Replicate on tp (an R-typed weight), the all-reduce fc builds;
+    any other move refused, naming it (a P-typed weight: its Replicate gradient stored Partial)."""
+    from types import SimpleNamespace
+
+    from torch.distributed.tensor import Partial, Replicate
+
+    from fsdp_compile._param_specs import parallel_spec
+
+    mesh = SimpleNamespace(mesh_dim_names=("dp_shard", "tp"), ndim=2)
+
+    def spec(*placements):
+        return SimpleNamespace(mesh=mesh, placements=placements, shape=(8,), stride=(1,))
+
+    assert parallel_spec("w", spec(Replicate(), Shard(0)), (0,), (Partial(), Shard(0))) is None
+    norm = parallel_spec("w", spec(Replicate(), Replicate()), (0,), (Partial(), Partial()))
+    assert norm.grad_placements == (Partial(), Partial()) and norm.dp_dims == (0,)
+    assert "plain tensor" in norm.describe()
+    with pytest.raises(NotImplementedError, match=r"tp: R -> P\(sum\)"):
+        parallel_spec("w", spec(Replicate(), Partial()), (0,), (Partial(), Replicate()))
+
+
 def test_layout_hsdp_int_reshard_and_offload():
     from torch.distributed.device_mesh import init_device_mesh
 

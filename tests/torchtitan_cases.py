@@ -31,9 +31,10 @@ What this file changes, each because CPU gloo ranks need it (none changes the ar
   spmd_types, which torch 2.13's ``fully_shard`` refuses ("must be DTensors on the full SPMD mesh"): eager
   FSDP2 cannot run it on that torch, on any device, so there is no oracle to compare with there (the
   ``spmd_types`` cases check that refusal); torch 2.14's trains it, and the cases compare with it.
-  Trainer's ``set_current_spmd_mesh`` context is not entered: with data parallelism alone nothing in these
-  models reads it (``spmd_mesh_size("tp")`` is 1 either way); with TP the loss would need it (the TP
-  ``spmd_types`` case stops at ``fc.compile``'s refusal, before a step).
+  As ``Trainer`` does under ``spmd_types``, the batch is annotated by ``annotate_input_spmd_types`` and the
+  forward, loss and backward run in ``get_spmd_context(parallel_dims=...)`` (its ``train_context``, without
+  ``debug.spmd_typechecking``): it sets the current SPMD mesh, which the vocab-parallel loss reads under TP
+  (without it the loss takes the sharded logits for the full vocabulary: "Target 1067 is out of bounds").
 * ``Decoder.Config.update_from_config`` is not called: it imports ``torchtitan.trainer`` (dataloaders,
   tensorboard, checkpointing: packages the test extra does not need) and, with ``partial_dtensor`` and data
   parallelism only, sets nothing these models use but the RoPE cache length (left at the config's; the
@@ -290,10 +291,17 @@ def run_case(case: TitanCase, rank: int, world_size: int, dims, parallelism, tmp
                 from torchtitan.distributed.full_dtensor import parallelize_inputs
 
                 inputs, targets, _ = parallelize_inputs(dims, tokens, labels, {})
-            # with TP the logits stay sharded over the vocabulary: torchtitan's loss is vocab-parallel
-            pred = forward(inputs)
-            loss, _ = loss_fn(pred, targets, global_valid_tokens)
-            loss.backward()
+            elif case.spmd_backend == "spmd_types":  # the same, spmd_types annotations on the plain batch
+                from torchtitan.distributed.spmd_types import annotate_input_spmd_types
+
+                inputs, targets, _ = annotate_input_spmd_types(dims, tokens, labels, {})
+            # Trainer._forward_backward_body: under spmd_types its train_context sets the current SPMD mesh, which
+            # the vocab-parallel loss reads (spmd_mesh_size("tp")); a null context on the other backends
+            with dist_utils.get_spmd_context(parallel_dims=dims)():
+                # with TP the logits stay sharded over the vocabulary: torchtitan's loss is vocab-parallel
+                pred = forward(inputs)
+                loss, _ = loss_fn(pred, targets, global_valid_tokens)
+                loss.backward()
             grads.append([None if p.grad is None else _local(p.grad).clone() for p in model.parameters()])
             # the MoE counters, before torchtitan's pre-step hook all-reduces and zeroes them
             counters.append({n: _local(b).clone() for n, b in model.named_buffers()})
@@ -321,6 +329,9 @@ def run_case(case: TitanCase, rank: int, world_size: int, dims, parallelism, tmp
     out["group_sizes"] = {g.fqn: g.world_size for g in compiled.plan.groups}
     out["regions"] = compiled.regions()
     out["param_meshes"] = sorted({str(p.device_mesh.mesh_dim_names) for p in comp.parameters()})
+    # spmd_types: the parameters whose gradient fsdp_compile all-reduces over tp before the reduce-scatter
+    out["tp_all_reduced"] = [p.fqn for g in compiled.plan.groups for p in g.params
+                             if p.parallel is not None and p.parallel.grad_placements is not None]
     out["param_dtype"] = str(eager.layers["0"]._get_fsdp_state()._fsdp_param_group.mp_policy.param_dtype)
     return out
 

@@ -31,6 +31,9 @@ _grad_hooks.py        Dynamo traces a post-accumulate-grad hook     2.13.0, 2.14
 _size_branches.py     Dynamo cannot guard on a data-dependent size  2.13.0          Dynamo takes a size-oblivious path
                       (transformers' AllToAllEP: if tokens.shape                    there, or transformers writes it
                       [0] == 0 after its all-to-all)                                with guard_or_false
+_grad_fn.py           Dynamo cannot read the grad_fn of a tensor    2.14.1          Dynamo answers grad_fn is None there,
+                      computed in the graph (spmd_types'                            or spmd_types stops reading it
+                      collectives: x.grad_fn is None)
 ====================  ============================================  ==============  ====================================
 
 Not here, because each is a decision that lives with the code it steers: ``_fsdp2.py`` (the one reader of

@@ -137,9 +137,12 @@ def _as_dtensor(local: torch.Tensor, spec):
     ``init_unsharded_param``). Differentiable: the gradient comes back as the local tensor, redistributed
     to ``spec.placements`` first where it is not already (a Partial gradient of a replicated weight is
     all-reduced over its mesh), as FSDP2 does before its reduce-scatter; under ``dp_mesh_dims`` on the other
-    dims than ``spec.dp_dims`` only (``_DataParallelDTensor``)."""
+    dims than ``spec.dp_dims`` only (``_DataParallelDTensor``). An spmd_types parameter (``spec.grad_placements``)
+    stays the plain tensor, with that backward (``_SpmdTypesParam``)."""
     from torch.distributed.tensor import DTensor
 
+    if spec.grad_placements is not None:
+        return _SpmdTypesParam.apply(local, spec.mesh, spec.placements, spec.grad_placements, spec.dp_dims)
     if spec.dp_dims:
         return _DataParallelDTensor.apply(local, spec.mesh, spec.placements, spec.dp_dims, spec.shape, spec.stride)
     return DTensor.from_local(local, spec.mesh, spec.placements, run_check=False, shape=spec.shape, stride=spec.stride)
@@ -174,6 +177,30 @@ class _DataParallelDTensor(torch.autograd.Function):
 
 
 torch._dynamo.allow_in_graph(_DataParallelDTensor)
+
+
+class _SpmdTypesParam(torch.autograd.Function):
+    """The gathered plain tensor of an spmd_types parameter (torch >= 2.14), as FSDP2's init_unsharded_param keeps
+    it, whose backward is FSDP2's ``_get_grad_inner_tensor`` for it: the gradient read as a DTensor with
+    ``grad_placements`` and redistributed on the non-data-parallel dims to ``placements`` (an R-typed
+    weight's Partial(tp) gradient all-reduced over tp) before FSDP's reduce-scatter. ``allow_in_graph`` as
+    ``_DataParallelDTensor``: AOTAutograd runs this backward on the gradient the backward has."""
+
+    @staticmethod
+    def forward(ctx, local, mesh, placements, grad_placements, dp_dims):
+        ctx.mesh, ctx.grad_placements = mesh, grad_placements
+        ctx.target = tuple(g if i in dp_dims else p for i, (g, p) in enumerate(zip(grad_placements, placements)))
+        return local.view_as(local)
+
+    @staticmethod
+    def backward(ctx, grad):
+        from torch.distributed.tensor import DTensor
+
+        grad = DTensor.from_local(grad, ctx.mesh, ctx.grad_placements, run_check=False)
+        return grad.redistribute(placements=ctx.target).to_local(), None, None, None, None
+
+
+torch._dynamo.allow_in_graph(_SpmdTypesParam)
 
 
 def unit_params(plan: ShardingPlan, unit: Unit) -> list[ParamPlan]:

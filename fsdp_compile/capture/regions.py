@@ -135,7 +135,8 @@ INLINE_FLOAT8 = (
 def inline_reason(plan: ShardingPlan, fqns: list[str], model: nn.Module) -> str | None:
     """Why the blocks ``fqns`` (one kind) of ``model`` cannot run as a region at all, or None."""
     params = [p for f in fqns for p in plan.group(f).params]
-    if any(p.parallel is not None for p in params):
+    # spmd_types parameters are handed over as plain tensors (their all-reduce over tp runs outside the region)
+    if any(p.parallel is not None and p.parallel.grad_placements is None for p in params):
         return INLINE_PARALLEL
     for p in params:
         if p.extension is not None and p.extension.unsharded_kind != "Tensor":
