@@ -220,6 +220,13 @@ def lazy_init(model: nn.Module) -> None:
     all_meta = all(p.is_meta for p in model.parameters())
     outer: list[str] = []
     for fqn, _, state in states:  # pre-order: an outermost FSDP module comes before its children
+        # replicate's lazy init takes only replicate states as its own: fully_shard ones inside would each be a root
+        if (o := next((f for f, _, s in states if inside(fqn, f) and _fsdp2.api(s) != _fsdp2.api(state) == "fully_shard"),
+                      None)) is not None:
+            raise NotImplementedError(
+                f"FSDP module {fqn!r}: fully_shard inside replicate module {o or '<root>'!r} (FSDP2 initializes each such "
+                "module as a root of its own) is not supported under fsdp_compile.compile; replicate the blocks and "
+                "fully_shard the root instead, or use one API for the whole model")
         if not any(o == "" or fqn == o or fqn.startswith(o + ".") for o in outer):
             _fsdp2.lazy_init(state, allow_meta=all_meta)  # makes this state the root of its subtree
             outer.append(fqn)

@@ -124,6 +124,18 @@ def replicated_on_spmd_mesh():
     return replicate(m, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(replicate="dp"))
 
 
+def fully_shard_inside_replicate():
+    """fully_shard blocks under a replicate root (the other order, replicate blocks under a fully_shard root, is
+    compiled: test_parity_multirank's replicate=blocks case)."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    torch.manual_seed(0)
+    m = Llama(LlamaArgs(n_layers=2))
+    for layer in m.layers:
+        fully_shard(layer)
+    return replicate(m)
+
+
 def unknown_mesh_info():
     """A parameter group whose mesh info is none of FSDP2's three kinds (FSDP, HSDP, DDP)."""
     from torch.distributed.fsdp._fully_shard._fsdp_common import DataParallelMeshInfo
@@ -273,6 +285,8 @@ ROWS = [
     ("replicate with dp_mesh_dims", compile_(replicated_on_spmd_mesh), NotImplementedError,
      r"FSDP module '<root>': replicate\(\.\.\., dp_mesh_dims=DataParallelMeshDims\(replicate=\.\.\.\)\) without a shard dim "
      r".*pass the data-parallel mesh as mesh= \(a 1-D mesh, no dp_mesh_dims\)"),
+    ("fully_shard inside replicate", compile_(fully_shard_inside_replicate), NotImplementedError,
+     r"FSDP module 'layers.0': fully_shard inside replicate module '<root>' .*replicate the blocks and fully_shard the root"),
     ("unknown mesh info", compile_(unknown_mesh_info), NotImplementedError,
      r"FSDP module 'layers.1': fully_shard\(\.\.\.\) gave it FSDP2's OtherMeshInfo, which fsdp_compile.compile does not"),
     ("dp_mesh_dims with float8", compile_(float8_on_spmd_mesh), NotImplementedError,
