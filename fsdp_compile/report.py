@@ -70,6 +70,7 @@ class Report:
             f"- the graphs as placed (every collective where FSDP2's hooks issue it, before the schedule's moves): "
             f"step {est(self.eager_est_step_ms, ' ms')}, "
             f"exposed communication {est(self.eager_est_exposed_comm_ms, ' ms')}, peak {mib(self.eager_est_peak_bytes)}",
+            *_split_lines(plan),
             *(f"- on mesh dim `{dim}`: " + ", ".join(f"{n} {kind.replace('_', '-')}" for kind, n in counts.items() if n)
               for dim, counts in self.collectives_by_mesh_dim.items()),
             *(f"- repeated blocks {_blocks(r['blocks'])}: "
@@ -96,6 +97,23 @@ class Report:
         from fsdp_compile.debug.timeline import save_timeline
 
         save_timeline(self, path)
+
+
+def _split_lines(plan: dict) -> list[str]:
+    """The modules ``bucket="auto"`` gathers in parts (the root: its embedding, its head), and the gain the
+    planner predicted for it: its planned step against the best it planned with every module whole."""
+    predicted = plan.get("predicted") or {}
+    if "unsplit" not in predicted:  # only an auto plan that split something keeps it
+        return []
+    parts: dict[str, list[str]] = {}
+    for i, u in enumerate(plan["units"]):
+        if u.get("params"):
+            parts.setdefault(u["members"][0], []).append(f"unit {i} ({', '.join(u['params'])})")
+    step = lambda p: (p["forward"]["step_s"] + p["backward"]["step_s"]) * 1e3  # noqa: E731
+    split, whole = step(predicted["planned"]), step(predicted["unsplit"])
+    return [f"- split: `{fqn or '<root>'}` gathered and reduce-scattered in parts: " + ", ".join(p) for fqn, p in parts.items()] + [
+        f"- the split's predicted gain: step {split:.3f} ms against {whole:.3f} ms planned with every FSDP module whole "
+        f"({whole - split:.3f} ms, {(1 - split / whole) * 100:.1f}%)"]
 
 
 def _blocks(fqns: list[str]) -> str:

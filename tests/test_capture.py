@@ -396,6 +396,12 @@ def test_explain_fills_estimates():
     params = [p for b in report.buckets for p in b.params]
     assert len(params) == len(set(params)) == 3 + 4 * 9
     assert [b.groups for b in report.buckets if "" in b.groups] == [[""], [""]]
+    # explain names the split and the gain the planner predicted for it
+    text = report.to_markdown()
+    assert "- split: `<root>` gathered and reduce-scattered in parts: unit 0 (tok_embeddings.weight), unit" in text
+    planned, unsplit = (sum(report.schedule["predicted"][k][d]["step_s"] for d in ("forward", "backward")) * 1e3
+                        for k in ("planned", "unsplit"))
+    assert planned < unsplit and f"step {planned:.3f} ms against {unsplit:.3f} ms planned with every FSDP module whole" in text
     assert len({g for b in report.buckets for g in b.groups}) == 5
     assert [g["kind"] for g in report.graphs] == ["forward", "backward"]
 

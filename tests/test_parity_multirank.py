@@ -57,6 +57,9 @@ CASES_4 = [
     # int reshard_after_forward: kept sharded over 2 ranks after forward, re-gathered from them in backward
     Case(reshard=2),
     Case(model="llama_ac", reshard=2, mp="bf16", bucket="auto", reorder=True),  # with checkpointed blocks
+    # bucket="auto" splits the root (its embedding, its head: two all-gathers, two reduce-scatters) on 4 ranks,
+    # reduced in bf16 (where a different summation order would show), regions on and off
+    Case(mp="bf16_reduce_bf16", bucket="auto", reorder=True, inline=True),
 ]
 
 
@@ -175,6 +178,14 @@ def test_int_reshard_regathers_over_the_post_forward_group(results_4):
     case = Case(model="llama_ac", reshard=2, mp="bf16", bucket="auto", reorder=True)
     sizes = results_4[0][case.name]["all_gather_sizes"]
     assert set(sizes["forward"]) == {4} and set(sizes["backward"]) == {2}, sizes
+
+
+def test_auto_split_root_is_bitwise(results_4):
+    """The bf16-reduce auto case's root is gathered and reduce-scattered in two parts (the embedding; norm and output):
+    one collective more each way than its FSDP groups, bitwise on every rank (test_bitwise_4_ranks)."""
+    for per_rank in results_4:
+        r = per_rank[Case(mp="bf16_reduce_bf16", bucket="auto", reorder=True, inline=True).name]
+        assert r["forward"]["all_gathers"] == 4 and r["backward"]["reduce_scatters"] == 4, r
 
 
 def test_hsdp_all_reduces_each_reduce_scatter(results_4):

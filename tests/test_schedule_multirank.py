@@ -70,6 +70,14 @@ def schedule_worker(rank, world_size):
     batches = [_tokens(rank, s, (2, 24 if rank == 0 and s >= 2 else 16), vocab=257) for s in range(4)]
     results["uneven_recompile"] = _train(eager, model, compiled, batches, case)
 
+    # the root split (hardware="h100-nvlink" makes it pay at this size): uneven shards (257 embedding rows: each
+    # part padded on its own), rank 0 one token, rank 1 4 x 16; the plan made from the agreed workload alone
+    eager, model = build_uneven(), build_uneven()
+    compiled = fc.compile(model, backend="aot_eager", hardware="h100-nvlink")
+    shape = (1, 1) if rank == 0 else (4, 16)
+    results["split_batch_shapes"] = _train(eager, model, compiled, [_tokens(rank, s, shape, vocab=257) for s in range(2)], case)
+    results["split_batch_shapes"]["parts"] = [u.params for u in compiled.schedule.units if u.params]
+
     # FSDP2's prefetch settings, on both models
     eager, model = build(case), build(case)
     for m in (eager, model):
@@ -98,13 +106,18 @@ def results():
     return run_ranks(schedule_worker, 2, timeout=600, pg_timeout=60)
 
 
-@pytest.mark.parametrize("name", ["batch_shapes", "uneven_recompile", "prefetch_settings"])
+@pytest.mark.parametrize("name", ["batch_shapes", "uneven_recompile", "split_batch_shapes", "prefetch_settings"])
 def test_bitwise_with_eager(results, name):
     for rank, per_rank in enumerate(results):
         r = per_rank[name]
         assert r["loss_eager"] == r["loss_compiled"], (rank, r)
         assert max(r["grad_diff"]) == 0.0 and max(r["param_diff"]) == 0.0, (rank, r)
     assert results[0][name]["schedule"] == results[1][name]["schedule"]  # one plan on both ranks
+
+
+def test_split_root_on_every_rank(results):
+    for r in results:
+        assert r["split_batch_shapes"]["parts"] == [("tok_embeddings.weight",), ("norm.weight", "output.weight")], r
 
 
 def test_recompile_on_one_rank_only(results):
