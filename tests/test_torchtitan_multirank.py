@@ -232,6 +232,18 @@ def test_torchtitan_spmd_types_tensor_parallel(tp_results):
             error = per_rank[TP_SPMD_TYPES.name].get("error", "")
             assert "must be DTensors on the full SPMD mesh" in error, (rank, error[-2000:])
         return
+    _spmd_types_tp_bitwise(tp_results)
+
+
+@pytest.mark.skipif(not SPMD_TYPES_FSDP, reason="this torch's fully_shard refuses spmd_types parameters "
+                    "(test_torchtitan_spmd_types_tensor_parallel pins that)")
+def test_spmd_types_tensor_parallel_alone():
+    """The case above in a 4-rank spawn of its own: .ci/run's torch 2.14.1 part runs it without the group's
+    other cases (``-k alone``), since the multirank suite runs on torch 2.13 only, whose FSDP2 refuses it."""
+    _spmd_types_tp_bitwise(run_ranks(titan_worker, 4, [TP_SPMD_TYPES], timeout=900))
+
+
+def _spmd_types_tp_bitwise(tp_results):
     for rank, r in _ok(tp_results, TP_SPMD_TYPES):
         assert r["param_meshes"] == ["('dp_shard', 'tp')"], r["param_meshes"]  # FSDP2's storage: the SPMD mesh
         # the R-typed weights, all-reduced over tp (without it: gradients 1.2e-2 off at the first step)
