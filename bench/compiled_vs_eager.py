@@ -5,6 +5,7 @@
     torchrun --nproc-per-node 2 bench/compiled_vs_eager.py --float8 [--quick]   # torchao float8 all-gather
     torchrun --nproc-per-node 4 bench/compiled_vs_eager.py --tp 2 --float8 --quick  # both (issue 46)
     torchrun --nproc-per-node 4 bench/compiled_vs_eager.py --pp 2 --quick      # pipeline: pp 2 x dp 2 FSDP stages
+    torchrun --nproc-per-node 2 bench/compiled_vs_eager.py --replicate [--model hf-llama]  # replicate vs DDP (issue 51)
     torchrun --nproc-per-node 1 bench/compiled_vs_eager.py --device cuda --model llama-1b --mp bf16 --batch 2 \
         --variants torch.compile fc                                          # one GPU (bench/gpu.sh)
 
@@ -454,6 +455,7 @@ def main():
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (Llama models): FSDP over world/tp ranks")
     ap.add_argument("--float8", action="store_true", help="torchao float8 Linears, with and without the float8 all-gather")
     ap.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree: FSDP stages under 1F1B (bench/_pipeline_bench.py)")
+    ap.add_argument("--replicate", action="store_true", help="FSDP2's replicate vs DDP + torch.compile (bench/_replicate_bench.py)")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                     help="auto: GPUs (NCCL) when CUDA is present, else CPU (gloo); cuda: GPUs or an error; cpu: hide GPUs")
     ap.add_argument("--offload", action="store_true", help="CPUOffloadPolicy on every fully_shard call: eager and fc only")
@@ -481,6 +483,10 @@ def main():
         from _pipeline_bench import run_pipeline
 
         return run_pipeline(args, MODEL_SIZES[args.model], MP[args.mp], batch, BytesByDim, graph_bytes_per_dim)
+    if args.replicate:
+        from _replicate_bench import run_replicate
+
+        return run_replicate(args, sys.modules[__name__])
     device, rank, world, say = H.init_ranks(timeout_s=900)
     vocab = HF_VOCAB if args.model == "hf-llama" else MODEL_SIZES[args.model].vocab
     if args.float8 and args.tp > 1 and dist.get_backend() == "gloo":
