@@ -218,8 +218,12 @@ def step_variants(d: dict) -> list[str]:
     """compiled_vs_eager_*.json and gpu_step_*.json."""
     variants = d.get("variants", {})
     cpu_col = any("median_cpu_s" in v for v in variants.values())
+    # where a run counted them (--replicate): all-reduces, and Dynamo's graphs and breaks (DDPOptimizer's splits)
+    ar_col = any(v.get("all_reduces") is not None for v in variants.values())
+    graphs_col = any(v.get("dynamo_graphs") is not None for v in variants.values())
     head = ["variant", "median ms", "p10-p90 ms", "vs eager", "first step s", "all-gathers", "reduce-scatters",
-            "collective MB/step", "peak MiB", "final loss", "loss - eager's", "predicted ms"] + (["CPU busy ms"] if cpu_col else [])
+            "collective MB/step", "peak MiB", "final loss", "loss - eager's", "predicted ms"] + (["CPU busy ms"] if cpu_col else []) + (
+            ["all-reduces"] if ar_col else []) + (["Dynamo graphs / breaks"] if graphs_col else [])
     rows = []
     for name, v in variants.items():
         p10, p90 = v.get("p10_step_s"), v.get("p90_step_s")
@@ -228,7 +232,9 @@ def step_variants(d: dict) -> list[str]:
                num(None if v.get("collective_bytes_per_step") is None else v["collective_bytes_per_step"] / 1e6, ".3f"),
                mib(v.get("peak_bytes")), num(v.get("final_loss"), ".5f"), num(v.get("final_loss_delta_vs_eager"), ".1e"),
                num(v.get("predicted_step_ms"))]
-        rows.append(row + ([ms(v.get("median_cpu_s"))] if cpu_col else []))
+        graphs = "-" if v.get("dynamo_graphs") is None else f"{v['dynamo_graphs']} / {v.get('graph_breaks', NR)}"
+        rows.append(row + ([ms(v.get("median_cpu_s"))] if cpu_col else []) + (
+            [num(v.get("all_reduces"), "d")] if ar_col else []) + ([graphs] if graphs_col else []))
     cfg = d.get("config", {})
     out = [f"Median of {cfg.get('steps', NR)} timed steps per variant; peak: {d.get('peak_memory_measures', NR)}.", ""]
     out += table(head, rows)
