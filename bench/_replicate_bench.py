@@ -158,17 +158,14 @@ def run_replicate(args, cve):
         if v.name == "compute-only":
             r["collective_bytes_per_step"] = 0
         if isinstance(v, cve.CommOnly):
-            r["median_cpu_s"] = H.summarize(v.cpu_times[2:2 + len(v.times)])["median_step_s"]
+            r["median_cpu_s"] = v.median_cpu_s()
         results[v.name] = r
-    bound, comm = results.get("compute-only"), results.get("comm-only")
-    floor = bound["median_step_s"] + comm["median_cpu_s"] if bound and comm else None
+    (bound, floor), comm = cve.bound_and_floor(results), results.get("comm-only")
     say("\n| variant | median ms | p10-p90 ms | vs eager | vs compute-only | vs CPU floor | first step s | Dynamo graphs "
         "| graph breaks | DDPOptimizer buckets | all-reduces/step | collective MB/step | step peak MiB | final loss (Δ vs eager) |")
     say("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    if bound:
-        say(f"| (compute-only bound) | {bound['median_step_s'] * 1e3:.1f} |" + " |" * 12)
-    if floor:
-        say(f"| (CPU floor: compute-only + comm-only's CPU time) | {floor * 1e3:.1f} |" + " |" * 12)
+    for line in cve.bound_rows(bound, floor, 14):
+        say(line)
     for name, r in results.items():
         ratio = (lambda x: "-" if not x else f"{r['median_step_s'] / x:.2f}x")
         say(f"| {name} | {r['median_step_s'] * 1e3:.1f} | {r['p10_step_s'] * 1e3:.1f}-{r['p90_step_s'] * 1e3:.1f} | "

@@ -426,11 +426,31 @@ class CommOnly(Variant):
         self.cpu_times.append(time.process_time() - c0)
         return dt
 
+    def median_cpu_s(self) -> float:
+        """The median CPU time of its timed steps, which follow its two warm-up steps."""
+        return H.summarize(self.cpu_times[2:2 + len(self.times)])["median_step_s"]
+
     def predicted_ms(self, stage: str = "after") -> None:
         return None
 
     def in_graph_collectives(self) -> dict | None:
         return self.fc.in_graph_collectives()  # the same collectives, replayed
+
+
+def bound_and_floor(results: dict) -> tuple[dict | None, float | None]:
+    """Beside every step: the compute-only variant's results (the bound) and the CPU floor (compute-only +
+    comm-only's CPU time, the README's floor on a CPU whose cores are all busy with compute), measured in the
+    same run; None where the run lacks the variants."""
+    bound, comm = results.get("compute-only"), results.get("comm-only")
+    return bound, (bound["median_step_s"] + comm["median_cpu_s"] if bound and comm else None)
+
+
+def bound_rows(bound: dict | None, floor: float | None, n_cols: int) -> list[str]:
+    """The bound and the floor as the first rows of a step table of ``n_cols`` columns."""
+    rows = [f"| (compute-only bound) | {bound['median_step_s'] * 1e3:.1f} |"] if bound else []
+    if floor:
+        rows.append(f"| (CPU floor: compute-only + comm-only's CPU time) | {floor * 1e3:.1f} |")
+    return [row + " |" * (n_cols - 2) for row in rows]
 
 
 def batch(step: int, rank: int, vocab: int, device, batch_size: int, seq: int):
@@ -616,20 +636,15 @@ def main():
             "final_loss": v.loss,
             "final_loss_delta_vs_eager": None if v.loss is None else abs(v.loss - eager.loss),
         }
-        if isinstance(v, CommOnly):  # its timed steps follow its two warm-up steps
-            results[v.name]["median_cpu_s"] = H.summarize(v.cpu_times[2:2 + len(v.times)])["median_step_s"]
+        if isinstance(v, CommOnly):
+            results[v.name]["median_cpu_s"] = v.median_cpu_s()
 
-    # beside every step: the compute-only bound and the CPU floor (compute-only + comm-only's CPU time, the
-    # README's floor on a CPU whose cores are all busy with compute), measured in the same run
-    tc, bound = results.get("torch.compile"), results.get("compute-only")
-    peer, comm = results.get("simplefsdp"), results.get("comm-only")
-    floor = bound["median_step_s"] + comm["median_cpu_s"] if bound and comm else None
+    tc, peer, comm = results.get("torch.compile"), results.get("simplefsdp"), results.get("comm-only")
+    bound, floor = bound_and_floor(results)
     say("\n| variant | median ms | p10-p90 ms | vs eager | vs compute-only | vs CPU floor | predicted ms | first step s | Python c10d calls/step | in-graph AG/RS | collective MB/step | step peak MiB | final loss (Δ vs eager) |")
     say("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    if bound:
-        say(f"| (compute-only bound) | {bound['median_step_s'] * 1e3:.1f} |" + " |" * 11)
-    if floor:
-        say(f"| (CPU floor: compute-only + comm-only's CPU time) | {floor * 1e3:.1f} |" + " |" * 11)
+    for line in bound_rows(bound, floor, 13):
+        say(line)
     for name, r in results.items():
         graph = f"{r['all_gathers']}/{r['reduce_scatters']}" if r["all_gathers"] is not None else "-"
         say(
