@@ -210,6 +210,13 @@ def host_copies():
     return mock.patch.object(_fsdp2, "offload_device", lambda layout: "cpu" if layout.offload_to_cpu else None)
 
 
+def device_copies(gm) -> list:
+    """The host-device copies in a captured graph (``ops.to_device`` / ``to_host``: ``_to_copy`` to a device),
+    not the model's own casts."""
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.aten._to_copy.default
+            and "device" in n.kwargs]
+
+
 def run_case(case: Case, rank: int, world_size: int) -> dict:
     with host_copies() if case.host_copies else contextlib.nullcontext():  # for every plan read, not only compile's
         return _run_case(case, rank, world_size)
@@ -285,8 +292,7 @@ def _run_case(case: Case, rank: int, world_size: int) -> dict:
     ).hexdigest()
     out["cudagraphs"] = [d.to_dict() for d in comp.captured.cudagraphs]
     out["device_copies"] = {  # host-device copies (CPU offload on an accelerator, or host_copies)
-        kind: sum(n.target is torch.ops.aten._to_copy.default and "device" in n.kwargs
-                  for g in getattr(comp.captured, kind) for n in g.graph.nodes) for kind in ("forward", "backward")
+        kind: sum(len(device_copies(g)) for g in getattr(comp.captured, kind)) for kind in ("forward", "backward")
     }
     for c in compiled.values():
         c.close()  # before the process group goes: the CUDA graphs hold its communicators

@@ -14,7 +14,7 @@ import fsdp_compile as fc
 from dist_helpers import fake_process_group
 from fsdp_compile._explain import explain_with_graphs
 from models import Llama, LlamaArgs, shard
-from parity import host_copies
+from parity import device_copies, host_copies
 
 COPY = torch.ops.aten._to_copy.default
 FSDP_OPS = torch.ops.fsdp_compile
@@ -34,10 +34,6 @@ def captured(copies: bool):
 
 def _calls(gm, target):
     return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is target]
-
-
-def _device_copies(gm):
-    return [n for n in _calls(gm, COPY) if "device" in n.kwargs]  # not the model's own casts
 
 
 def _to_device(gm):
@@ -63,7 +59,7 @@ def test_host_shards_are_copied_to_the_device_right_before_each_copy_in(graphs):
     assert len(_to_device(forward)) == n_params
     assert 0 < len(_to_device(backward)) < n_params
     # nothing else is copied between devices in the forward
-    assert len(_device_copies(forward)) == n_params
+    assert len(device_copies(forward)) == n_params
 
 
 def test_gradients_are_copied_to_the_host_right_after_each_reduce_scatter(graphs):
@@ -77,10 +73,10 @@ def test_gradients_are_copied_to_the_host_right_after_each_reduce_scatter(graphs
             assert copy in outputs and list(copy.users) == [backward.graph.output_node()]
             to_host.append(copy)
     assert len(to_host) == n_params
-    assert len(_device_copies(backward)) == n_params + len(_to_device(backward))
+    assert len(device_copies(backward)) == n_params + len(_to_device(backward))
 
 
 def test_a_cpu_device_gets_no_copies():
     """Offload on a CPU device, as before: FSDP2's copies are no-ops there, and the graphs have none."""
     forward, backward, _ = captured(copies=False)
-    assert not _device_copies(forward) and not _device_copies(backward)
+    assert not device_copies(forward) and not device_copies(backward)
