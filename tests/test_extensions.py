@@ -103,9 +103,9 @@ def test_adapter_reads_what_fsdp2_passes_fsdp_pre_all_gather():
 
 @pytest.mark.parametrize("float8_all_gather", [False, True])
 def test_torchao_float8_blocks_compile_inline(float8_all_gather):
-    """Blocks of torchao float8 Linears are compiled inline, not as a shared region, naming why: with the
-    float8 all-gather their parameters rebuild as Float8TrainingTensors (no subclass operands in
-    invoke_subgraph); without it the region trained to another loss under Inductor (capture.INLINE_FLOAT8)."""
+    """Blocks of torchao float8 Linears with the float8 all-gather are compiled inline, not as a shared region,
+    naming why: their parameters rebuild as Float8TrainingTensors (no subclass operands in invoke_subgraph).
+    Without it they are a region (their numerics under Inductor: test_ops::test_regions_under_inductor_two_layers)."""
     pytest.importorskip("torchao.float8", reason="torchao (the test extra) is not installed")
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
@@ -120,8 +120,10 @@ def test_torchao_float8_blocks_compile_inline(float8_all_gather):
         shard(model, list(model.layers))
         plan = read_plan(model)
         why = capture.inline_reason(plan, ["layers.0", "layers.1"], model)
-    expected = "as a Float8TrainingTensor" if float8_all_gather else "torchao float8 modules (Float8Linear)"
-    assert expected in why, why
+    if float8_all_gather:
+        assert "as a Float8TrainingTensor" in why, why
+    else:
+        assert why is None, why
 
 
 def test_local_shards_are_to_local_in_one_autograd_node():

@@ -25,7 +25,6 @@ from fsdp_compile.capture.forward import (
 )
 from fsdp_compile.capture.hooks import Attachment, attach, install_hooks
 from fsdp_compile.capture.regions import (
-    INLINE_FLOAT8,
     INLINE_PARALLEL,
     INLINE_SUBCLASS,
     _unique_code,  # _api.py names its compiled step's code with it
@@ -36,7 +35,7 @@ from fsdp_compile.capture.regions import (
 from fsdp_compile.capture.step import STEP, active
 
 __all__ = [
-    "INLINE_FLOAT8", "INLINE_PARALLEL", "INLINE_SUBCLASS", "STEP", "Attachment", "UnitTrace", "active", "attach",
+    "INLINE_PARALLEL", "INLINE_SUBCLASS", "STEP", "Attachment", "UnitTrace", "active", "attach",
     "call_with", "find_repeated_blocks", "flush_logs", "inline_reason", "install_hooks", "install_logging",
     "install_regions", "parameter_places", "traced_forward", "unit_params", "unit_traces", "unshard_args",
 ]

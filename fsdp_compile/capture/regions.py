@@ -124,14 +124,6 @@ INLINE_SUBCLASS = (
 )
 
 
-INLINE_FLOAT8 = (
-    "it holds torchao float8 modules ({kind}): under Inductor, a region holding their dynamic float8 casts "
-    "trained to another loss than eager FSDP2, torch.compile and the same blocks inline (measured: 3.08 against "
-    "2.339 after 14 steps of bench/compiled_vs_eager.py --float8 --quick; bitwise under aot_eager), cause not "
-    "found yet"
-)
-
-
 def inline_reason(plan: ShardingPlan, fqns: list[str], model: nn.Module) -> str | None:
     """Why the blocks ``fqns`` (one kind) of ``model`` cannot run as a region at all, or None."""
     params = [p for f in fqns for p in plan.group(f).params]
@@ -141,10 +133,6 @@ def inline_reason(plan: ShardingPlan, fqns: list[str], model: nn.Module) -> str 
     for p in params:
         if p.extension is not None and p.extension.unsharded_kind != "Tensor":
             return INLINE_SUBCLASS.format(fqn=p.fqn, kind=p.extension.unsharded_kind)
-    block = model.get_submodule(fqns[0])
-    float8 = sorted({type(m).__name__ for m in block.modules() if type(m).__module__.startswith("torchao.float8")})
-    if float8:
-        return INLINE_FLOAT8.format(kind=", ".join(float8))
     return None
 
 
