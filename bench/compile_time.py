@@ -1,6 +1,6 @@
 """First-step (compile) time against depth, cold and warm: fsdp_compile vs torch.compile.
 
-    python bench/compile_time.py [--depths 2 8 16 32] [--model hf|ours] [--quick] [--one-process] [--repeat N]
+    python bench/compile_time.py [--depths 2 8 16 32] [--model hf|ours|tp|float8|deepseek] [--quick] [--one-process] [--repeat N]
 
 For every depth and variant, two fresh processes of 2 gloo ranks each (1 thread per rank) run one
 forward + backward: "cold" with an empty Inductor cache directory, then "warm" with the one the cold run
@@ -12,10 +12,13 @@ cache directories; the tables give the median of the N. Variants:
   torch-fsdp      torch.compile on the same fully_shard model (graph breaks at every FSDP hook)
   torch-plain     torch.compile on the same model unsharded (no FSDP, no collectives): the compiler's own cost
 The model is a narrow Llama (hidden 64), so compute is negligible: HF transformers' LlamaForCausalLM when
-installed (``--model hf``), else fsdp_compile.models.Llama. Per variant it also prints the cold first step by
+installed (``--model hf``), else fsdp_compile.models.Llama; ``--model tp`` the latter with torchtitan's TP plan
+on a (dp 2, tp 2) mesh (4 ranks), ``float8`` with torchao's float8 Linears and FSDP2's float8 all-gather,
+``deepseek`` torchtitan's DeepSeek-V3 debug model (MoE blocks, dim 256), parallelized by torchtitan over
+data parallelism (torchtitan installed; ``tests/torchtitan_cases.py``). Results go to
+bench/results/compile_time[_one_process][_<model>].json, ``hf`` without the suffix. Per variant it also prints the cold first step by
 compile phase (torch's compile timers: Dynamo, AOTAutograd's partitioner, Inductor's lowering, codegen and
-C++ compile; our passes) at every depth, with what one more layer adds to each. Writes
-bench/results/compile_time.json and .png.
+C++ compile; our passes) at every depth, with what one more layer adds to each.
 """
 
 from __future__ import annotations
@@ -34,12 +37,31 @@ import _harness as H  # noqa: E402
 
 VARIANTS = ("fc", "torch-fsdp", "torch-plain")
 W = 2
+MODELS = {  # --model: what it builds (``build``)
+    "hf": "HF transformers' LlamaForCausalLM",
+    "ours": "fsdp_compile.models.Llama",
+    "tp": "fsdp_compile.models.Llama with torchtitan's TP plan, dp 2 x tp 2",
+    "float8": "fsdp_compile.models.Llama in torchao float8 with FSDP2's float8 all-gather",
+    "deepseek": "torchtitan's DeepSeek-V3 debug model (MoE), parallelized by torchtitan",
+}
 
 
-def build(model_kind: str, depth: int):
+def world(model_kind: str) -> int:
+    return 4 if model_kind == "tp" else W  # tp: dp 2 x tp 2
+
+
+def build(model_kind: str, depth: int, shard: bool):
+    """The model at ``depth`` layers, ``fully_shard`` on every block and then the root where ``shard`` (tp: over
+    dp of a (dp 2, tp 2) mesh, after torchtitan's TP plan; deepseek: torchtitan's own parallelize function,
+    which shards), and the function of its output that the step differentiates."""
     import torch
+    from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
+    loss = lambda out: out.float().logsumexp(-1).mean()  # noqa: E731
+    if model_kind == "deepseek":
+        return _deepseek(depth, shard), loss
+    mesh = {}
     if model_kind == "hf":
         from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -47,11 +69,56 @@ def build(model_kind: str, depth: int):
                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                           attn_implementation="sdpa", use_cache=False)  # training: no KV cache
         model = LlamaForCausalLM(cfg)
-        return model, list(model.model.layers)
-    from fsdp_compile.models import Llama, LlamaArgs
+        blocks, loss = list(model.model.layers), (lambda out: out.loss)
+    else:
+        from fsdp_compile.models import Llama, LlamaArgs, tensor_parallel
 
-    model = Llama(LlamaArgs(vocab=1024, dim=64, n_layers=depth, n_heads=4, ffn_dim=128, max_seq=128))
-    return model, list(model.layers)
+        model = Llama(LlamaArgs(vocab=1024, dim=64, n_layers=depth, n_heads=4, ffn_dim=128, max_seq=128))
+        blocks = list(model.layers)
+        if model_kind == "float8":  # torchao's float8 Linears (emulated on a CPU) with FSDP2's float8 all-gather
+            from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+            config = Float8LinearConfig(enable_fsdp_float8_all_gather=True, emulate=not torch.cuda.is_available())
+            convert_to_float8_training(model, config=config, module_filter_fn=lambda _, fqn: fqn != "output")
+        elif model_kind == "tp":
+            from torch.distributed.device_mesh import init_device_mesh
+
+            dp_tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+            tensor_parallel(model, dp_tp["tp"])
+            mesh = {"mesh": dp_tp["dp"]}
+    if shard:
+        for b in blocks:
+            fully_shard(b, **mesh)
+        fully_shard(model, **mesh)
+    return model, loss
+
+
+def _deepseek(depth: int, shard: bool):
+    """torchtitan's DeepSeek-V3 debug model (MoE: its first layer dense, the others mixture-of-experts, token
+    counters updated in place) at ``depth`` layers, parallelized by torchtitan's own ``parallelize_deepseekv3``
+    over data parallelism alone (``shard``; else unparallelized), as tests/torchtitan_cases.py builds it."""
+    import copy
+
+    import torch
+    import torchtitan_cases as T
+    from torchtitan.config import CompileConfig, TrainingConfig
+
+    import torchtitan.distributed.utils as dist_utils
+
+    T._on_cpu()
+    dist_utils.set_spmd_backend("partial_dtensor")
+    cfg, parallelize = T._model_config("deepseek_v3", 2)
+    cfg.layers = cfg.layers[:1] + [copy.deepcopy(cfg.layers[1]) for _ in range(depth - 1)]
+    with torch.device("meta"):
+        model = cfg.build()
+    if shard:
+        dims, parallelism = T._parallel_dims(world("deepseek"))
+        model = parallelize(model, parallel_dims=dims, training=TrainingConfig(local_batch_size=2, seq_len=64),
+                            parallelism=parallelism, compile_config=CompileConfig(), ac_config=None, dump_folder="")
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    return model
 
 
 def _rank(rank: int, store: str, args, out: str) -> None:
@@ -66,17 +133,13 @@ def _rank(rank: int, store: str, args, out: str) -> None:
     if args.one_process:
         from torch.testing._internal.distributed.fake_pg import FakeStore
 
-        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=W)
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world(args.model))
     else:
         fc.single_thread_gloo()  # torch's gloo races between its worker threads (fsdp_compile/_torch/_gloo.py)
-        dist.init_process_group("gloo", store=dist.FileStore(store, W), rank=rank, world_size=W,
+        dist.init_process_group("gloo", store=dist.FileStore(store, world(args.model)), rank=rank, world_size=world(args.model),
                                 timeout=datetime.timedelta(seconds=900))
-    model, blocks = build(args.model, args.depth)
+    model, loss = build(args.model, args.depth, shard=args.variant in ("fc", "torch-fsdp"))
     extra = {}
-    if args.variant in ("fc", "torch-fsdp"):
-        for b in blocks:
-            fully_shard(b)
-        fully_shard(model)
     if args.variant == "fc":
         step = fc.compile(model)
     else:
@@ -85,8 +148,7 @@ def _rank(rank: int, store: str, args, out: str) -> None:
     dist.barrier()
     t0 = time.perf_counter()
     with H.compile_timing() as timing:
-        out_ = step(input_ids=ids, labels=ids).loss if args.model == "hf" else step(ids).float().logsumexp(-1).mean()
-        out_.backward()
+        loss(step(input_ids=ids, labels=ids) if args.model == "hf" else step(ids)).backward()
     first = time.perf_counter() - t0
     if args.variant == "fc":
         extra = {"planning_s": step.schedule.planning_s, "units": len(step.schedule.units)}
@@ -113,7 +175,7 @@ def worker(args) -> None:
         if args.one_process:
             _rank(0, os.path.join(tmp, "store"), args, out)
         else:
-            mp.spawn(_rank, args=(os.path.join(tmp, "store"), args, out), nprocs=W, join=True)
+            mp.spawn(_rank, args=(os.path.join(tmp, "store"), args, out), nprocs=world(args.model), join=True)
         with open(out) as f:
             print("RESULT " + f.read())
 
@@ -133,7 +195,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--depths", nargs="+", type=int, default=[2, 8, 16, 32])
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
-    ap.add_argument("--model", choices=["hf", "ours"], default=None)
+    ap.add_argument("--model", choices=list(MODELS), default=None)
     ap.add_argument("--quick", action="store_true", help="depths 2 and 8 only")
     ap.add_argument("--one-process", action="store_true", help="one rank on the fake process group (world size 2)")
     ap.add_argument("--repeat", type=int, default=1, help="rounds over every depth and variant; tables give medians")
@@ -142,6 +204,8 @@ def main() -> None:
     ap.add_argument("--variant", help=argparse.SUPPRESS)
     ap.add_argument("--depth", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.model == "deepseek":
+        sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "tests"))
     if args.model is None:
         try:
             import transformers  # noqa: F401
@@ -165,7 +229,7 @@ def main() -> None:
                                  f"warm {warm.get('first_step_s', float('nan')):7.1f} s\n")
     rows = _medians(runs, args)
     where = "one process, fake process group of 2" if args.one_process else "2 gloo ranks"
-    print(f"\nfirst step (compile) seconds, {where}, {args.model} Llama hidden 64 (cold: empty cache; warm: restart)"
+    print(f"\nfirst step (compile) seconds, {where}, {MODELS[args.model]} (cold: empty cache; warm: restart)"
           + (f"; median of {args.repeat} rounds" if args.repeat > 1 else ""))
     print("| depth | " + " | ".join(f"{v} cold | {v} warm" for v in args.variants) + " | fc planning ms |")
     print("|---" * (2 * len(args.variants) + 2) + "|")
@@ -178,7 +242,7 @@ def main() -> None:
                 planning = f"{r['cold']['planning_s'] * 1e3:.1f}"
         print(f"| {depth} | " + " | ".join(cells) + f" | {planning} |")
     _phase_table(rows, args)
-    name = "compile_time_one_process" if args.one_process else "compile_time"
+    name = ("compile_time_one_process" if args.one_process else "compile_time") + ("" if args.model == "hf" else f"_{args.model}")
     payload = {"machine": H.machine(), "model": args.model, "one_process": args.one_process, "rows": rows}
     if args.repeat > 1:
         payload["runs"] = runs
@@ -257,7 +321,7 @@ def _plot(rows, args, path) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("layers")
     ax.set_ylabel("first step, s (compile included)")
-    ax.set_title(f"compile time, 2 CPU ranks ({args.model} Llama, hidden 64)")
+    ax.set_title(f"compile time, {args.model} model, CPU")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
