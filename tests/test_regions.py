@@ -363,27 +363,74 @@ def test_admission_inlines_random_ops_only_under_checkpoint():
     assert sum(n.target is _invoke_subgraph for n in gm.graph.nodes) == 1  # the other call: still a region
 
 
+def test_admission_owns_a_buffer_it_mutates():
+    """A body that updates a buffer in place (an MoE token counter) and reads it after the update: each call
+    stays a region, working on its own copy of the buffer, and writes the new value back into the buffer after
+    the call, at top level. Trained through AOTAutograd: outputs, gradients and the buffers' final values
+    equal eager's, over two steps; the buffer that is only read gets no copy."""
+    from torch._dynamo.backends.debugging import aot_eager
+    from torch._guards import detect_fake_mode
+
+    from fsdp_compile.passes.regions import admit_regions
+
+    @torch.compiler.nested_compile_region
+    def body(x, w, counter, bias):
+        before = counter.sum()
+        with torch.no_grad():
+            counter.add_((x > 0).sum(0))
+        return (x @ w + bias) * counter + before
+
+    def fn(x, w, c0, c1, bias):
+        return (body(torch.tanh(body(x, w, c0, bias)), w, c1, bias) * torch.arange(4.0)).sum()
+
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append((admit_regions(gm, detect_fake_mode(example_inputs)), gm))
+        return aot_eager(gm, example_inputs)
+
+    def train(f):
+        torch.manual_seed(0)
+        x, w = torch.randn(3, 4, requires_grad=True), torch.randn(4, 4, requires_grad=True)
+        c0, c1, bias = torch.zeros(4), torch.ones(4), torch.randn(4)
+        losses = []
+        for _ in range(2):  # the update between forward and backward would fail eager's saved-tensor check
+            losses.append(f(x, w, c0, c1, bias))
+            losses[-1].backward()
+        return [*losses, x.grad, w.grad, c0, c1, bias]
+
+    torch._dynamo.reset()
+    eager, compiled = train(fn), train(torch.compile(fn, backend=backend, fullgraph=True))
+    assert all(torch.equal(a, b) for a, b in zip(eager, compiled, strict=True)), (eager, compiled)
+    (decisions, gm), = seen
+    assert [d.why for d in decisions] == [None, None], decisions
+    assert _region_calls(gm) == ["subgraph_0", "subgraph_0"]
+    body_graph = gm.subgraph_0.graph
+    assert [n.target for n in body_graph.nodes if n.op == "call_method" and n.target == "clone"] == ["clone"]
+    writes = [n for n in gm.graph.nodes if n.target == "copy_"]
+    assert [w.args[0].op for w in writes] == ["placeholder"] * 2  # c0, c1: the graph's inputs, in place
+
+
 def test_admission_inlines_input_mutation():
-    """A body that updates a buffer in place (an MoE token counter): inlined, and the graph still runs it."""
+    """A body that mutates an input that is no buffer (an activation computed in the graph, or an input that
+    needs a gradient) in place: inlined, and the graph still runs it."""
     from fsdp_compile.passes.regions import MUTATES_INPUT, admit_regions
 
     @torch.compiler.nested_compile_region
-    def body(x, counter):
-        with torch.no_grad():
-            counter.add_((x > 0).sum(0))
-        return x * 2
+    def body(x):
+        x.mul_(2)
+        return x + 1
 
-    def fn(x, counter):
-        return body(x, counter) + body(x, counter)
+    def fn(x, y):
+        return body(x * 1) + body(y.exp())
 
-    counter = torch.zeros(4, dtype=torch.long)
-    gm, fake_mode = _dynamo_graph(fn, torch.randn(3, 4), counter)
+    gm, fake_mode = _dynamo_graph(fn, torch.randn(3, 4), torch.randn(3, 4))
     decisions = admit_regions(gm, fake_mode)
     assert [d.why for d in decisions] == [MUTATES_INPUT, MUTATES_INPUT]
     assert not any(n.target is _invoke_subgraph for n in gm.graph.nodes)
-    x, fresh = torch.randn(3, 4), torch.zeros(4, dtype=torch.long)
-    (out,) = gm(x, fresh)
-    assert torch.equal(out, 4 * x) and torch.equal(fresh, 2 * (x > 0).sum(0))
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+    (out,) = gm(x, y)
+    assert torch.equal(out, (x * 1 * 2 + 1) + (y.exp() * 2 + 1))
 
 
 def test_admission_refuses_every_region_when_told():

@@ -328,6 +328,11 @@ def run_case(case: TitanCase, rank: int, world_size: int, dims, parallelism, tmp
     out["units"] = [list(u.members) for u in compiled.schedule.units]
     out["group_sizes"] = {g.fqn: g.world_size for g in compiled.plan.groups}
     out["regions"] = compiled.regions()
+    # per region body (its identifier), the calls of it in the top-level Dynamo graphs: traced once, called per block
+    calls = [n.args[1] for gm in compiled.captured.dynamo for n in gm.graph.nodes
+             if n.target is torch.ops.higher_order.invoke_subgraph]
+    out["region_calls"] = {i: calls.count(i) for i in sorted(set(calls))}
+    out["dynamo_nodes"] = sum(len(gm.graph.nodes) for gm in compiled.captured.dynamo)
     out["param_meshes"] = sorted({str(p.device_mesh.mesh_dim_names) for p in comp.parameters()})
     # spmd_types: the parameters whose gradient fsdp_compile all-reduces over tp before the reduce-scatter
     out["tp_all_reduced"] = [p.fqn for g in compiled.plan.groups for p in g.params
