@@ -61,7 +61,8 @@ FAMILIES = [
      "Variants: `eager-equivalent` (one collective per FSDP module, issued just in time), `eager FSDP2` (the same "
      "graphs with eager FSDP2's own schedule: the next module prefetched in backward, one reduce-scatter pending), "
      "`fc default`, `torch 2.13 passes` (Inductor's bucketing passes with their defaults). The limit is "
-     "max(compute, busiest process group's communication) from the same simulation."),
+     "max(compute, busiest process group's communication) from the same simulation. `--replicate` (FSDP2's `replicate`, "
+     "all-reduces only, none in forward): also the per-graph limit, forward compute + max(backward compute, all-reduces)."),
     ("Cost-model calibration", "calibrate_cpu_gloo", "`bench/calibrate_cpu_gloo.py`: the constants of the `cpu-gloo` profile."),
 ]
 _NOT_FLAGS = {"out", "world_size"}  # keys of a recorded config that are not command-line options
@@ -334,8 +335,11 @@ def soak(d: dict) -> list[str]:
 def scale_sim(d: dict) -> list[str]:
     rows = d.get("rows", [])
     extra = [k for k in ("limit_ms", "step_over_limit", "planning_ms", "units") if any(k in r for r in rows)]
-    names = {"limit_ms": "limit ms", "step_over_limit": "step / limit", "planning_ms": "planning ms", "units": "units"}
-    fmts = {"limit_ms": ".1f", "step_over_limit": ".3f", "planning_ms": ".0f", "units": "d"}
+    extra += ["all_reduces", "limit_per_graph_ms"] if any(r.get("all_reduces") for r in rows) else []  # --replicate
+    names = {"limit_ms": "limit ms", "step_over_limit": "step / limit", "planning_ms": "planning ms", "units": "units",
+             "all_reduces": "all-reduces", "limit_per_graph_ms": "per-graph limit ms"}
+    fmts = {"limit_ms": ".1f", "step_over_limit": ".3f", "planning_ms": ".0f", "units": "d", "all_reduces": "d",
+            "limit_per_graph_ms": ".1f"}
     return table(["model", "W", "tp", "profile", "variant", "float8 all-gather", "step ms", "exposed comm ms (%)",
                   "peak GiB", "all-gathers", "reduce-scatters", *(names[k] for k in extra)],
                  [[r["model"] + (f" ({r['layers']} layers" + (f" a stage, pp {r['pp']}" if "pp" in r else "") + ")" if "layers" in r else ""), r["world_size"], r.get("tp", 1), r["hardware"], r["variant"], num(r.get("float8_all_gather")),

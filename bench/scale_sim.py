@@ -66,8 +66,13 @@ bound on a micro-batch's communication, exact for the last one. Not modeled: the
 schedule (1F1B or other), the pp send/recv of activations and gradients and their overlap with compute, the
 number of micro-batches, and stages other than the first and the last (a middle stage is the last without its
 norm and output). A pipeline step is then about (micro-batches + N - 1) micro-batch steps of the slowest stage.
+With --replicate: FSDP2's replicate (DDP: parameters replicated, no all-gather) on every block and the root instead of
+fully_shard, each unit's gradients all-reduced over the W ranks (ring or tree, the faster) in backward; the forward
+has no communication, so its compute cannot hide any: limit_per_graph_ms (forward compute + max(backward compute,
+all-reduces)) is the bound the step can reach, the step-level limit is below it wherever communication dominates.
 Writes bench/results/scale_sim.json and scale_sim.png (scale_sim_tp<N>_<sizes>.* with --tp, scale_sim_float8.*
-with --float8, both with both, scale_sim_pp<N>_... with --pp, _<N>layers appended with --layers).
+with --float8, both with both, scale_sim_pp<N>_... with --pp, scale_sim_replicate.* with --replicate, _<N>layers
+appended with --layers).
 """
 
 from __future__ import annotations
@@ -126,10 +131,11 @@ def stage_layers(size: str, pp: int, layers: int | None) -> int:
 
 
 def capture(size: str, world: int, seq: int, hardware: str, tp: int = 1, float8: bool = False, layers: int | None = None,
-            stage: str | None = None, **config):
+            stage: str | None = None, replicate: bool = False, **config):
     """Forward and backward graphs of one training step (after our passes), and the schedule applied;
     ``float8``: torchao's float8 Linears with the float8 all-gather; ``layers``: that many blocks, not the size's;
-    ``stage``: "first" or "last", that pipeline stage of the model (``world``: the stage's dp x tp ranks)."""
+    ``stage``: "first" or "last", that pipeline stage of the model (``world``: the stage's dp x tp ranks);
+    ``replicate``: FSDP2's replicate (DDP) in place of fully_shard."""
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
         with torch.device("meta"):
@@ -152,9 +158,12 @@ def capture(size: str, world: int, seq: int, hardware: str, tp: int = 1, float8:
             if stage == "last":  # the previous stage's output: its sequence shard under TP's sequence parallelism
                 tokens = torch.randn(1, seq // tp, SIZES[size].dim, dtype=torch.bfloat16, device="meta")
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        wrap = fully_shard
+        if replicate:
+            from torch.distributed._composable.replicate_with_fsdp import replicate as wrap
         for block in llama_blocks(model):
-            fully_shard(block, mp_policy=mp, **mesh)
-        fully_shard(model, mp_policy=mp, **mesh)
+            wrap(block, mp_policy=mp, **mesh)
+        wrap(model, mp_policy=mp, **mesh)
         report, captured = explain_graphs(model, tokens, config=fc.CompileConfig(backend="inductor", hardware=hardware, **config))
         return [captured.forward[0], captured.backward[0]], report, passes.modules_of(read_plan(model))
     finally:
@@ -164,7 +173,7 @@ def capture(size: str, world: int, seq: int, hardware: str, tp: int = 1, float8:
 
 def score(graphs, hardware: str, variant: str, world: int, schedule=None, tp: int = 1) -> dict:
     out = {"step_ms": 0.0, "exposed_comm_ms": 0.0, "peak_bytes": 0, "all_gathers": 0, "reduce_scatters": 0,
-           "all_gather_bytes": 0, "compute_ms": 0.0, "limit_per_graph_ms": 0.0}
+           "all_gather_bytes": 0, "all_reduces": 0, "compute_ms": 0.0, "limit_per_graph_ms": 0.0}
     comm_per_group: dict[str, float] = {}  # ms of collectives per process group (one stream each), both graphs
     # the torch passes and the all-reduces' sizes resolve process groups by name: score them under a fake
     # group of the same size, with the mesh made again in the same order (so its groups get the same names)
@@ -191,6 +200,7 @@ def score(graphs, hardware: str, variant: str, world: int, schedule=None, tp: in
             out["all_gathers"] += sum(1 for c in sched.collectives if c.kind == "all_gather")
             out["all_gather_bytes"] += sum(c.bytes for c in sched.collectives if c.kind == "all_gather")
             out["reduce_scatters"] += sum(1 for c in sched.collectives if c.kind == "reduce_scatter")
+            out["all_reduces"] += sum(1 for c in sched.collectives if c.kind == "all_reduce")
             # the overlap limit, from this same simulation: the compute stream's busy time and the busiest
             # communication stream's (the docstring's "Overlap limit")
             out["compute_ms"] += sched.compute_time * 1e3
@@ -221,10 +231,13 @@ def main():
                     help="capture this many blocks instead of the size's (a cheaper run: every figure is of the shorter model)")
     ap.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree: simulate one stage (the docstring's --pp)")
     ap.add_argument("--stages", nargs="+", default=["first", "last"], choices=["first", "last"], help="with --pp: which stages")
+    ap.add_argument("--replicate", action="store_true", help="FSDP2's replicate (DDP) in place of fully_shard")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
     if args.pp > 1 and args.float8:
         ap.error("--pp: bf16 only (no --float8)")
+    if args.replicate and (args.pp > 1 or args.tp > 1 or args.float8):
+        ap.error("--replicate: data parallelism alone (no --pp, --tp, --float8)")
     if args.quick:
         args.sizes, args.world_sizes = ["llama3-8b"], [8, 64]
     variants = ("eager FSDP2", "fc default") if args.float8 else VARIANTS
@@ -237,10 +250,10 @@ def main():
             layers = stage_layers(size, args.pp, args.layers) if args.pp > 1 else args.layers
             for hardware, float8, stage in [(h, f, st) for h in profiles for f in ((False, True) if args.float8 else (False,))
                                             for st in (args.stages if args.pp > 1 else (None,))]:
-                ours, report, _ = capture(size, sim, args.seq, hardware, args.tp, float8, layers, stage)
+                ours, report, _ = capture(size, sim, args.seq, hardware, args.tp, float8, layers, stage, args.replicate)
                 plan = report.schedule
                 # the eager-equivalent capture, for the other variants
-                placed, _, modules = capture(size, sim, args.seq, hardware, args.tp, float8, layers, stage,
+                placed, _, modules = capture(size, sim, args.seq, hardware, args.tp, float8, layers, stage, args.replicate,
                                              bucket="fsdp_group", reorder=False)
                 eager = passes.Schedule(
                     units=tuple(eager_fsdp2(modules)), policy="eager FSDP2", workload=plan["workload"],
@@ -270,9 +283,10 @@ def main():
             print(f"| {r['model']} | {r['world_size']} | {r['hardware']} | {r['variant']} | failed: {r['error'][:80]} | | | | |")
             continue
         planning = f"{r['planning_ms']:.0f}" if "planning_ms" in r else "-"
+        ar = f" (AR {r['all_reduces']})" if r.get("all_reduces") else ""  # --replicate
         print(f"| {r['model']} | {r['world_size']} | {r['hardware']} | {r['variant']} | {r['step_ms']:.1f} | "
               f"{r['exposed_comm_ms']:.2f} ({r['exposed_pct']:.1f}%) | {r['peak_bytes'] / 2**30:.2f} | "
-              f"{r['all_gathers']}/{r['reduce_scatters']} | {planning} |")
+              f"{r['all_gathers']}/{r['reduce_scatters']}{ar} | {planning} |")
     _print_limits(rows)
     if args.float8:
         print("\nfloat8 all-gather against bf16 (same model, W, hardware, schedule policy):")
@@ -289,6 +303,7 @@ def main():
                   f"{f8['exposed_comm_ms']:.2f} | {bf['step_ms']:.1f} -> {f8['step_ms']:.1f} ({f8['step_ms'] / bf['step_ms']:.3f}x) |")
     stem = ("scale_sim" + (f"_pp{args.pp}" if args.pp > 1 else "")
             + (f"_tp{args.tp}_{'_'.join(args.sizes)}" if args.tp > 1 else "") + ("_float8" if args.float8 else "")
+            + ("_replicate" if args.replicate else "")
             + (f"_{args.layers}layers" if args.layers else ""))
     H.write_json(os.path.join(args.out, f"{stem}.json"), {"machine": H.machine(), "config": vars(args), "rows": rows})
     _plot(rows, os.path.join(args.out, f"{stem}.png"))
@@ -300,8 +315,9 @@ def _print_limits(rows):
     print("\nOverlap limit: max(compute, comm), ms, from the same simulation as each step; compute = compute-stream "
           "busy time (every captured non-collective node, FSDP copy-in cats included, + collective launches), "
           "comm = the busiest process group's collectives; no optimizer step (see the docstring)")
-    print("| model | W | hardware | compute ms | comm ms | limit ms | fc step ms | eager FSDP2 step ms | fc/limit | eager/limit |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| model | W | hardware | compute ms | comm ms | limit ms | per-graph limit ms | fc step ms | eager FSDP2 step ms "
+          "| fc/limit | fc/per-graph limit | eager/limit |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     by = {(r["model"], r["world_size"], r["hardware"], r["variant"]): r for r in rows if "error" not in r}
     for (model, world, hardware, name), fc_row in by.items():
         if not name.startswith("fc default"):
@@ -315,7 +331,8 @@ def _print_limits(rows):
             if abs(eager_row["limit_ms"] / fc_row["limit_ms"] - 1) > 1e-3:  # its graphs do other work: own limit
                 eager_ratio += f" (own limit {eager_row['limit_ms']:.1f})"
         print(f"| {model} | {world} | {hardware}{suffix} | {fc_row['compute_ms']:.1f} | {fc_row['comm_ms']:.1f} | "
-              f"{fc_row['limit_ms']:.1f} | {fc_row['step_ms']:.1f} | {eager_step} | {fc_row['step_over_limit']:.3f} | "
+              f"{fc_row['limit_ms']:.1f} | {fc_row['limit_per_graph_ms']:.1f} | {fc_row['step_ms']:.1f} | {eager_step} | "
+              f"{fc_row['step_over_limit']:.3f} | {fc_row['step_ms'] / fc_row['limit_per_graph_ms']:.3f} | "
               f"{eager_ratio} |")
 
 

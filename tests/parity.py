@@ -52,6 +52,7 @@ class Case:
     # the root; "blocks" on the blocks, the root fully_shard (a mixed model)
     ddp: str | None = None
     ignored: bool = False  # the root's norm weight in ignored_params: not sharded, its gradient not reduced
+    ragged: bool = False  # batch shapes differ between ranks (rank invariance; the same shape every step of a rank)
     cudagraphs: bool = False  # CompileConfig.cudagraphs (CUDA only: tests/test_cuda.py)
 
     @property
@@ -74,6 +75,8 @@ class Case:
             parts.append(f"replicate={self.ddp}")
         if self.ignored:
             parts.append("ignored")
+        if self.ragged:
+            parts.append("ragged")
         if self.cudagraphs:
             parts.append("cudagraphs")
         return "-".join(parts)
@@ -149,7 +152,7 @@ def build(case: Case):
 def batch(case: Case, step: int, rank: int):
     g = torch.Generator().manual_seed(1000 * step + rank)
     if case.model.startswith("llama") or case.model in PATTERNS:
-        return torch.randint(0, 256, (2, 16), generator=g)
+        return torch.randint(0, 256, (1, 12) if case.ragged and rank % 2 else (2, 16), generator=g)
     if case.model == "odd":
         return torch.randn(4, 6, generator=g)
     return torch.randint(0, 32, (2, 8), generator=g)

@@ -44,6 +44,7 @@ CASES_2 = [
     Case(ddp="all"),
     Case(model="odd", ddp="all", mp="bf16", bucket="auto", reorder=True),
     Case(ddp="blocks", mp="bf16"),
+    Case(model="llama_ac", ddp="all", inline=True),  # replicate over checkpointed blocks, regions on and off
 ]
 CASES_4 = [
     Case(model="odd"),
@@ -60,6 +61,9 @@ CASES_4 = [
     # bucket="auto" splits the root (its embedding, its head: two all-gathers, two reduce-scatters) on 4 ranks,
     # reduced in bf16 (where a different summation order would show), regions on and off
     Case(mp="bf16_reduce_bf16", bucket="auto", reorder=True, inline=True),
+    # replicate on 4 ranks, batch shapes differing per rank: fp32; checkpointed blocks in bf16 with accumulation
+    Case(ddp="all", ragged=True),
+    Case(model="llama_ac", ddp="all", mp="bf16", accum=2, bucket="auto", reorder=True, ragged=True),
 ]
 
 
@@ -149,6 +153,15 @@ def test_replicate_all_reduces_only(results_2):
         mixed = results_2[rank][Case(ddp="blocks", mp="bf16").name]
         assert mixed["forward"]["all_gathers"] == 1, mixed["forward"]
         assert mixed["backward"] == {"all_gathers": 0, "reduce_scatters": 1, "all_reduces": 2}, mixed["backward"]
+
+
+def test_replicate_4_ranks_same_collectives(results_4):
+    """replicate with batch shapes differing per rank: every rank issues the same all-reduces (and nothing else)."""
+    for case in (c for c in CASES_4 if c.ddp):
+        counts = [(per_rank[case.name]["forward"], per_rank[case.name]["backward"]) for per_rank in results_4]
+        assert counts[0][0] == {"all_gathers": 0, "reduce_scatters": 0, "all_reduces": 0}, (case.name, counts[0])
+        assert counts[0][1]["all_reduces"] >= 1 and counts[0][1]["all_gathers"] == counts[0][1]["reduce_scatters"] == 0
+        assert all(c == counts[0] for c in counts), (case.name, counts)
 
 
 def test_a_group_of_modules_is_one_collective(results_2):

@@ -137,3 +137,29 @@ def test_sink_defers_a_wait_past_the_next_reduce_scatter():
     rs = {P.fsdp_unit(n): n for n in order if P.is_reduce_scatter(n)}
     # layers.3's reduce-scatter is waited right before layers.2's is issued
     assert order.index(P.wait_of(rs[4])) == order.index(rs[3]) - 1
+
+
+def _replicated_llama():
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    m = Llama(LlamaArgs(n_layers=3))
+    for b in m.layers:
+        replicate(b)
+    return replicate(m)
+
+
+def test_sink_defers_a_replicate_all_reduce():
+    """replicate (FSDP2's DDP): a one-rank group has no reduce-scatter, its gradients' all-reduce is the unit's
+    reduction, and a sink defers its wait as a reduce-scatter's (before, every all-reduce was waited at once:
+    bench/scale_sim.py --replicate found all of the backward's communication exposed)."""
+    _, bw, plan = _capture(8, 0, _replicated_llama, torch.randint(0, 256, (2, 16)))
+    schedule = _planned(plan)
+    units = [dataclasses.replace(u, issue_at=i, backward_issue_at=i, sink=0) for i, u in enumerate(schedule.units)]
+    units[3] = dataclasses.replace(units[3], sink=1)  # layers.2, the first all-reduce in backward
+    new = copy_gm(bw)
+    moves = apply_schedule(new.graph, dataclasses.replace(schedule, units=tuple(units)))
+    assert [(m.kind, m.unit) for m in moves] == [("sink_wait", 3)]
+    order = [n for n in new.graph.nodes if P.collective_kind(n) == "all_reduce" or P.is_wait(n)]
+    ar = {P.fsdp_unit(n): n for n in order if P.collective_kind(n) == "all_reduce"}
+    assert sorted(ar) == [0, 1, 2, 3] and not P.collectives(new.graph, "reduce_scatter")
+    assert order.index(P.wait_of(ar[3])) == order.index(ar[2]) - 1  # waited right before layers.1's is issued

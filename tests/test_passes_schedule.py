@@ -405,3 +405,15 @@ def test_eager_fsdp2_reference():
     assert pred["backward"]["exposed_s"] < predict(
         [dataclasses.replace(u, backward_issue_at=i) for i, u in enumerate(units)], mods, CostModel("h100-nvlink"), 64
     )["backward"]["exposed_s"]
+
+
+def test_a_block_merged_into_the_whole_root_keeps_its_backward():
+    """A whole root bucketed with its first block is a tail unit (needed first in backward); the block's backward
+    compute still counts, at the end, before the unit's late reduce-scatter. It was left out, so a merge into the
+    root looked like free compute to bucket="auto" (Llama-3 8B under replicate, W=8: root + layers.0 merged).
+    Hand-checked (PROFILE, module costs as in the docstring): AG root+m1 3 ms (2 MB), the root's head 4, AG m2 2,
+    m2 4, RS m2 2, m1 4, RS root+m1 3 = 22 ms."""
+    mods = [module("", holds_children=True, leading=(".w",)), module("m1"), module("m2")]
+    s = plan_schedule(mods, policy=(("", "m1"),), reorder=False, cost_model=CostModel(PROFILE), workload=1000)
+    assert [u.members for u in s.units] == [("", "m1"), ("m2",)] and s.units[0].tail
+    assert s.predicted["planned"]["backward"]["step_s"] == pytest.approx(22 * MS)

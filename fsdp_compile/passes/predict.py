@@ -223,6 +223,9 @@ class _Backward:
         if k == self.head_at:
             self._head(m)
         if k == len(self.order):
+            for i in self.order:  # blocks merged into a tail unit (a whole root and its first blocks): their backward
+                if units[i].tail and self.c.bwd[i]:  # comes last, before the tail's late reduction (was left out)
+                    m.compute(self.c.bwd[i])
             for i in self.order:
                 if units[i].tail and self.c.late[i]:
                     m.release(_ag(i))

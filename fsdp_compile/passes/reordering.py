@@ -10,7 +10,9 @@ all-gather with the copy-in that feeds it to just before the wait of the unit it
     [copy-in j, AG j, copy-in i, AG i, wait j, copy-out j] compute j (hides AG i) [wait i, copy-out i] compute i
 
 and for every reduce-scatter with ``sink = s`` moves its wait, and the unpack that reads it, to just
-before the s-th later reduce-scatter (after its pack), or to the end of the graph.
+before the s-th later reduce-scatter (after its pack), or to the end of the graph. A unit of a one-rank group
+(``replicate``, FSDP2's DDP) has no reduce-scatter: its gradients' all-reduce takes its place (HSDP's
+all-reduce follows its unit's reduce-scatter, which stays the unit's).
 
 Every move is named by the schedule's units, which every rank holds identically, and anchored at other
 collectives, whose relative order is the graph's structure, so every rank issues the same collectives
@@ -41,6 +43,16 @@ class Move:
 
 def _units(graph: fx.Graph, pred) -> dict[int, fx.Node]:
     return {P.fsdp_unit(n): n for n in graph.nodes if pred(n) and P.fsdp_unit(n) is not None}
+
+
+def _reductions(graph: fx.Graph, gradient_side: set[fx.Node]) -> dict[int, fx.Node]:
+    """Each unit's gradient collective: its reduce-scatter, else (a one-rank group) its all-reduce on the
+    gradient side (the annotation's kind does not say: AOTAutograd copies the unshard's onto the backward)."""
+    out = _units(graph, P.is_reduce_scatter)
+    for n in graph.nodes:
+        if P.collective_kind(n) == "all_reduce" and n in gradient_side and P.fsdp_unit(n) is not None:
+            out.setdefault(P.fsdp_unit(n), n)
+    return out
 
 
 def _chain(start: fx.Node, step, inside) -> list[fx.Node] | None:
@@ -80,7 +92,8 @@ def apply_schedule(graph: fx.Graph, schedule: Schedule) -> list[Move]:
     moves: list[Move] = []
     units = schedule.units
     gathers = _units(graph, P.is_all_gather)
-    backward = bool(P.gradient_dependent(graph))
+    gradient_side = P.gradient_dependent(graph)
+    backward = bool(gradient_side)
     if backward:
         order = [i for i in backward_order(units) if i in gathers]
         start = next(n for n in graph.nodes if n.op != "placeholder")
@@ -111,7 +124,7 @@ def apply_schedule(graph: fx.Graph, schedule: Schedule) -> list[Move]:
             _move_before(chain, anchor)
             moves.append(Move("prefetch", i, ag.name, anchor.name, was.name))
 
-    scatters = _units(graph, P.is_reduce_scatter)
+    scatters = _reductions(graph, gradient_side)
     seq = sorted(scatters, key=scatters.__getitem__)
     output = graph.output_node()
     for k, c in enumerate(seq):
