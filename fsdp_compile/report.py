@@ -152,18 +152,29 @@ def count_collectives(graphs) -> dict[str, int]:
 def collectives_by_mesh_dim(graphs, mesh_dims: dict[str, str]) -> dict[str, dict[str, int]]:
     """``count_collectives`` per mesh dim, and all-to-alls (expert parallelism's token dispatch) where there
     are any: ``mesh_dims`` names each process group (``ShardingPlan.mesh_dim_of_groups``); a group it does
-    not name is counted under its c10d name."""
+    not name is counted under its c10d name. A region's collectives (a TP block's) count once per call."""
     from fsdp_compile.passes.predicates import collective_kind, counted_kind, process_group_name
 
     out: dict[str, dict[str, int]] = {}
     for gm in graphs:
-        for node in gm.graph.nodes:
+        for node in _with_region_bodies(gm):
             kind = counted_kind(node) or ("all_to_alls" if collective_kind(node) == "all_to_all" else None)
             if kind is not None:
                 name = process_group_name(node)
                 counts = out.setdefault(mesh_dims.get(name, name), {"all_gathers": 0, "reduce_scatters": 0, "all_reduces": 0})
                 counts[kind] = counts.get(kind, 0) + 1
     return out
+
+
+def _with_region_bodies(gm):
+    """``gm``'s nodes, each region call (``invoke_subgraph``) replaced by its body's nodes."""
+    import torch
+
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.higher_order.invoke_subgraph:
+            yield from _with_region_bodies(getattr(gm, node.args[0].target))
+        else:
+            yield node
 
 
 def collective_bytes(graphs) -> dict[str, int]:

@@ -167,7 +167,8 @@ def gloo_world_1():
 
 def test_which_blocks_share_a_region(gloo_world_1):
     """Same class, shapes and dtypes: one region per kind. Blocks whose attributes differ pass themselves
-    in (Dynamo traces each and keeps what differs apart); blocks with hooks inside, or alone, get none."""
+    in (Dynamo traces each and keeps what differs apart); blocks whose inner hooks differ (one has a hook the
+    other lacks) are inline, and say why; a block alone gets none."""
     if True:
         torch.manual_seed(0)
         m = Mixed()
@@ -175,11 +176,14 @@ def test_which_blocks_share_a_region(gloo_world_1):
         blocks = [*m.same, *m.differ, *m.wide, m.lonely]
         shard(m, blocks)
         compiled = fc.compile(m, backend="aot_eager")
-        assert capture_regions.find_repeated_blocks(m, compiled.plan) == [["same.0", "same.1", "differ.0", "differ.1"]]
+        assert capture_regions.find_repeated_blocks(m, compiled.plan) == [
+            ["same.0", "same.1", "differ.0", "differ.1"], ["wide.0", "wide.1"]]
         x = torch.randn(4, 8)
         with torch.no_grad():
             expected = m(x)  # eager FSDP2
         assert torch.equal(compiled(x), expected)  # each block's own k, not the first block's
+        why = compiled.regions()[1]["why"]
+        assert "hooks inside 'wide.1' (0._forward_hooks)" in why, why
         # the ks differ: one region function, each block passed in (and traced as itself)
         forwards = [b.forward for b in (*m.same, *m.differ)]
         assert len({f.fsdp_compile_region for f in forwards}) == 1
@@ -518,3 +522,149 @@ def test_the_reuse_key_of_a_block_call():
     assert key((u, t), (), {"x": t, "mask": None}) != base  # the same leaves, another structure
     nested = {"cache": {"k": t}}
     assert key((u,), (t,), nested) == key((u,), (t,), {"cache": {"k": t}}) != key((u,), (t,), {"cache": {"k": t.double()}})
+
+
+def _tp_blocks(n: int = 2):
+    """``n`` blocks (Linear -> GELU -> Linear) parallelized by ``parallelize_module`` on a 1-rank tp mesh, each
+    with TP's hooks on its Linears; the mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+    blocks = [nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)) for _ in range(n)]
+    for b in blocks:
+        parallelize_module(b, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    return blocks, mesh
+
+
+def _layout_hook(placement, module, args):
+    return args
+
+
+def test_tp_hooks_compared_per_kind(gloo_world_1):
+    """TP's hooks (a lambda around a functools.partial of its style's function, per Linear) are the same in
+    every block: the template's trace serves them all. A hook holding another value, or only on one block,
+    is not provably the same: the kind stays inline, naming where."""
+    import functools
+
+    from torch.distributed.tensor import Shard
+
+    from fsdp_compile.capture import boundary
+
+    blocks, mesh = _tp_blocks(3)
+    fqns = ["b.0", "b.1", "b.2"]
+    assert boundary.hooks_reason(blocks, fqns) is None
+    for b, dim in zip(blocks, (1, 1, 0)):  # equal partials of one function, but b.2's holds another placement
+        b[0].register_forward_pre_hook(functools.partial(_layout_hook, Shard(dim)))
+    assert "'b.2' (0._forward_pre_hooks)" in boundary.hooks_reason(blocks, fqns)
+    blocks[1][2].register_forward_hook(lambda *a: None)
+    assert "'b.1' (2._forward_hooks)" in boundary.hooks_reason(blocks, fqns)
+
+
+def test_dtensor_crosses_the_boundary_as_its_local_tensor(gloo_world_1):
+    """Outside, a DTensor parameter goes in as ``to_local()``; inside, ``rebuilt`` gives a DTensor of its spec
+    whose backward hands a Partial gradient back redistributed to the parameter's placements (what
+    ``forward._as_dtensor``'s backward does inline), and a Replicate one straight through."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    from fsdp_compile._param_specs import ParallelSpec
+    from fsdp_compile.capture import boundary
+
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+    spec = ParallelSpec(mesh, (Replicate(),), (4, 3), (3, 1))
+    param = DTensor.from_local(torch.randn(4, 3, requires_grad=True), mesh, [Replicate()], run_check=False)
+    specs = (spec, None)
+    local, plain = boundary.flattened((param, torch.ones(2)), specs)
+    assert type(local) is torch.Tensor and type(plain) is torch.Tensor
+    inside, same = boundary.rebuilt((local.detach().requires_grad_(), plain), specs)
+    assert isinstance(inside, DTensor) and inside.placements == (Replicate(),) and same is plain
+    assert inside.shape == (4, 3) and inside.stride() == (3, 1)
+    g = torch.randn(4, 3)
+    for placement in (Replicate(), Partial()):
+        leaf = local.detach().requires_grad_()
+        (rebuilt,) = boundary.rebuilt((leaf,), (spec,))
+        rebuilt.backward(DTensor.from_local(g, mesh, [placement], run_check=False))
+        assert type(leaf.grad) is torch.Tensor and torch.equal(leaf.grad, g)
+
+
+@pytest.mark.slow
+def test_tp_blocks_share_a_region(gloo_world_1):
+    """fsdp_compile.models' Llama with torchtitan's TP plan (sequence-parallel norms, column/row-parallel
+    projections, TP's hooks inside each block) on a 1 x 1 (dp, tp) mesh: the blocks are one region, the DTensor
+    parameters crossing its boundary as local tensors, and the step equals eager FSDP2's and the inline
+    compile's. (1 rank moves no data: the placements' collectives are checked bitwise on 4 ranks,
+    tests/test_tp_multirank.py.)"""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from fsdp_compile.models import tensor_parallel
+
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+    models = []
+    for _ in range(3):
+        torch.manual_seed(0)
+        m = tensor_parallel(Llama(LlamaArgs(n_layers=2)), mesh["tp"], loss_parallel=True)
+        for layer in m.layers:
+            fully_shard(layer, mesh=mesh["dp"])
+        models.append(fully_shard(m, mesh=mesh["dp"]))
+    compiled = [fc.compile(m, backend="aot_eager", regions=r) for m, r in zip(models[1:], (True, False))]
+    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for f in (models[0], *compiled):
+        with loss_parallel():
+            loss = torch.nn.functional.cross_entropy(f(x).flatten(0, 1), x.flatten())
+            loss.backward()
+        losses.append(loss.full_tensor())
+    assert compiled[0].regions() == [{"blocks": ["layers.0", "layers.1"], "region": True, "why": None}]
+    assert torch.equal(losses[0], losses[1]) and torch.equal(losses[0], losses[2])
+    for m in models[1:]:
+        for p, q in zip(models[0].parameters(), m.parameters()):
+            assert torch.equal(p.grad.to_local(), q.grad.to_local())
+
+
+class _Residual(nn.Module):
+    """An embedding then 3 TP blocks whose row-parallel output stays a DTensor (``use_local_output=False``)."""
+
+    def __init__(self, mesh):
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)) for _ in range(3))
+        for b in self.blocks:  # mesh["tp"] sliced per block: a new mesh object each time, of the same groups
+            parallelize_module(b, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel(use_local_output=False)})
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = x + b(x).to_local()
+        return x
+
+
+def test_blocks_returning_dtensors_are_inline(gloo_world_1):
+    """Torch 2.13's invoke_subgraph hands a region's DTensor outputs back as plain tensors, and Dynamo stamps
+    a recorded trace's outputs out as plain tensors: such a trace is not recorded (each block traced as itself)
+    and its calls are inlined, bitwise like eager FSDP2; compiled.regions() says why."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        m = _Residual(mesh)
+        for b in m.blocks:
+            fully_shard(b, mesh=mesh["dp"])
+        models.append(fully_shard(m, mesh=mesh["dp"]))
+    compiled = fc.compile(models[1], backend="aot_eager")
+    x = torch.randn(4, 8)
+    losses = [f(x).pow(2).sum() for f in (models[0], compiled)]
+    for loss in losses:
+        loss.backward()
+    assert torch.equal(losses[0], losses[1])
+    for p, q in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.equal(p.grad.to_local(), q.grad.to_local())
+    (kind,) = compiled.regions()
+    assert not kind["region"] and "returns a DTensor or another tensor subclass (DTensor)" in kind["why"], kind

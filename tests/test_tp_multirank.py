@@ -19,8 +19,9 @@ CASES = [
     # torchtitan's plan: sequence parallel, loss_parallel; tok_embeddings/output tied again after fully_shard, as
     # torchtitan ties them: two FSDP parameters on one parameter, each gradient reduce-scattered on its own and
     # added into .grad in FSDP2's order (summed before the reduce-scatter, they rounded differently)
-    TPCase(model="llama", reshard=False, mp="bf16", tied="after"),
-    TPCase(model="llama", ac=True, ragged=True, planned=True),  # checkpoint_wrapper; batch shapes per dp rank; auto buckets
+    # inline=True: a third model with regions off, bitwise too (the differential guard of TP's regions)
+    TPCase(model="llama", reshard=False, mp="bf16", tied="after", inline=True),
+    TPCase(model="llama", ac=True, ragged=True, planned=True, inline=True),  # checkpoint_wrapper; batch shapes per dp rank; auto buckets
     TPCase(model="mlp", replicate=2),  # HSDP + TP: (replicate 2, shard 1, tp 2)
     TPCase(model="moe", ragged=True),  # expert parallelism: all-to-all dispatch of data-dependent sizes
     TPCase(model="hf_llama"),  # transformers' LlamaForCausalLM with its own TP plan, applied by transformers
@@ -54,6 +55,10 @@ def test_bitwise_against_eager_fsdp2_tp(results, case):
         assert r["loss_compiled"] == r["loss_eager"], (rank, r)
         assert max(r["grad_diff"]) == 0.0 and max(r["param_diff"]) == 0.0, (rank, r)
         assert r["grad_placements"] == ["True"]  # gradients are DTensors of their parameters' placements
+        if case.inline:  # TP's blocks one region (capture/boundary.py), and the same steps with regions off
+            assert r["regions"] == ["region"], (rank, r["regions"])
+            assert r["loss_inline"] == r["loss_eager"], (rank, r)
+            assert max(r["inline_grad_diff"]) == 0.0 and max(r["inline_param_diff"]) == 0.0, (rank, r)
     # TP's collectives are in the graphs, on their own dim, beside FSDP's
     dims = results[0][case.name]["by_mesh_dim"]
     if case.model == "moe":  # the dispatch and combine all-to-alls on ep; the experts' FSDP on efsdp

@@ -52,6 +52,9 @@ class TPCase:
     # mlp: torchao's float8 Linears with FSDP2's float8 all-gather, TP by torchao's Float8ColwiseParallel /
     # Float8RowwiseParallel (emulated matmuls: they run on a CPU); the head stays a plain Linear
     float8: bool = False
+    # a second compiled model with regions off, trained beside the first and checked bitwise too (the
+    # differential guard, as parity.Case.inline): a region must compute what the inline compile computes
+    inline: bool = False
 
     @property
     def name(self) -> str:
@@ -72,6 +75,8 @@ class TPCase:
             parts.append(f"micro{self.micro}")
         if self.float8:
             parts.append("float8")
+        if self.inline:
+            parts.append("inline")
         return "-".join(parts)
 
 
@@ -370,27 +375,38 @@ def run_tp_case(case: TPCase) -> dict:
     opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-2)
     opt_c = torch.optim.AdamW(compiled.parameters(), lr=1e-2)
     out = {"loss_eager": [], "loss_compiled": [], "grad_diff": [], "param_diff": []}
+    runs = [(eager, opt_e, "eager"), (compiled, opt_c, "compiled")]
+    if case.inline:  # regions off: the same checks under inline_* keys
+        inline_model, _ = build(case)
+        inline = fc.compile(inline_model, config.replace(regions=False))
+        runs.append((inline, torch.optim.AdamW(inline.parameters(), lr=1e-2), "inline"))
+        out.update(loss_inline=[], inline_grad_diff=[], inline_param_diff=[])
     for step in range(case.steps):
         for micro in range(case.micro):
             x = batch(case, step * case.micro + micro)
-            for m, opt, key in ((eager, opt_e, "eager"), (compiled, opt_c, "compiled")):
+            for m, opt, key in runs:
                 with _context(case):
                     loss = loss_of(case, m(x), x)
                     loss.backward()
                 out[f"loss_{key}"].append(loss.full_tensor().item() if hasattr(loss, "full_tensor") else loss.item())
         out["grad_diff"].append(max_diff([p.grad for p in eager.parameters()], [p.grad for p in model.parameters()]))
+        if case.inline:
+            out["inline_grad_diff"].append(
+                max_diff([p.grad for p in eager.parameters()], [p.grad for p in inline_model.parameters()]))
         out["grad_placements"] = sorted({  # the gradients are FSDP2's: DTensors of the parameter's own placements
             str(p.grad.placements == p.placements) for p in model.parameters() if p.grad is not None
         })
-        for opt in (opt_e, opt_c):
+        for _, opt, _ in runs:
             opt.step()
             opt.zero_grad()
         if case.float8:  # the next step's weight scales, from one all-reduce of the weights' amax (torchtitan's order)
             from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
-            for m in (eager, model):
-                precompute_float8_dynamic_scale_for_fsdp(m)
+            for m, _, _ in runs:
+                precompute_float8_dynamic_scale_for_fsdp(getattr(m, "_orig_mod", m))
         out["param_diff"].append(max_diff(list(eager.parameters()), list(model.parameters())))
+        if case.inline:
+            out["inline_param_diff"].append(max_diff(list(eager.parameters()), list(inline_model.parameters())))
     if case.dcp:
         out["dcp"] = _dcp_round_trip(case, compiled, model)
     out["graph_breaks"] = sum(counters["graph_break"].values()) - breaks

@@ -40,6 +40,8 @@ adds two things, during our compiled call only:
 * Recording raises where the trace read something its machinery does not handle: a tensor from the
   enclosing graph that is no argument ("Freevar has no source"), or a guard kind it cannot re-check
   ("unsupported guard type"). The trace then stays unrecorded instead of failing the compile.
+* A trace that returns a tensor subclass (a TP block's DTensor output) is not recorded: Dynamo stamps a record's
+  outputs out as plain tensors, so the code after a later block's call would be traced on plain tensors.
 
 and two savings on the way to a reuse: a call is fingerprinted (the leaves it matches a record by) without
 tracing ``pytree.tree_flatten`` through Dynamo where the call is plain (``_fingerprint``), and the check of
@@ -284,6 +286,11 @@ def reuse_checked():
 
     def skipping(original):
         def record(*args, **kwargs):
+            kind = _returns_subclass(args, kwargs)
+            if kind is not None and hasattr(args[1], "get_function"):  # compiled.regions() says why it is inline
+                args[1].get_function().fsdp_compile_inline_why = RETURNS_SUBCLASS.format(kind=kind)
+            if kind is not None:
+                return None
             try:
                 return original(*args, **kwargs)
             except (AssertionError, RuntimeError) as e:  # nothing is recorded before the entry is complete
@@ -323,6 +330,27 @@ def reuse_checked():
             setattr(variables, name, original)
 
 
+RETURNS_SUBCLASS = (
+    "returns a DTensor or another tensor subclass ({kind}), which torch 2.13's invoke_subgraph hands back as a "
+    "plain tensor (a block whose TP style keeps its output a DTensor: use_local_output=False, torchtitan 0.3.0's "
+    "blocks): each block is traced as itself and inlined, where it stays one"
+)
+
+
+def _returns_subclass(args, kwargs) -> str | None:
+    """The tensor subclass (DTensor) a trace ``save_reuse_entry`` would record returns, if any (see ``reuse_checked``;
+    unrecorded, each call is traced as itself, and ``passes/regions.py`` inlines it)."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    body_r = kwargs.get("body_r", args[7] if len(args) > 7 else None)  # what the region returns (a tensor, a tuple)
+    for vt in getattr(body_r, "items", [body_r]):
+        proxy = getattr(vt, "proxy", None)
+        value = proxy.node.meta.get("example_value") if proxy is not None else None
+        if is_traceable_wrapper_subclass(value):
+            return type(value).__name__
+    return None
+
+
 def _layout(operands) -> tuple | None:
     """What a schema can depend on of the operands; None (not cached) for anything but tensors of concrete
     sizes, ints and None."""
@@ -335,6 +363,10 @@ def _layout(operands) -> tuple | None:
                         o.is_conj(), o.is_neg()))
         elif type(o) is int or o is None:
             out.append(o)
+        # a DTensor's mesh (capture/boundary.py): torch's gen_schema takes from_local's detach_ of an input's view
+        # for an input mutation ("NYI: Functionalize rule for custom_function_call"); ours, from ATen, does not
+        elif type(o).__name__ in ("DeviceMesh", "FakeScriptObject"):
+            out.append(("mesh", id(getattr(o, "real_obj", o))))
         else:
             return None
     return tuple(out)

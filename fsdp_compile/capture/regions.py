@@ -12,7 +12,8 @@ it. Blocks whose plain attributes (ints, floats, strings, ...) are all equal sha
 reuse key: traced once. Blocks that differ in some attribute (HF decoder layers carry their layer_idx)
 pass themselves in instead, without a key: Dynamo traces the first and reuses that trace for the others
 where the guards on what it read hold, else traces them too and keeps one subgraph for identical ones
-(what it would have read differently, it keeps apart). Blocks with hooks inside are left alone.
+(what it would have read differently, it keeps apart). Blocks with hooks inside share a region where their
+hooks are provably the template's, and DTensor parameters enter as their local tensors (``boundary``).
 
 This installs the regions on the model, before any trace; ``passes/regions.py`` decides on the traced graphs
 which region calls stay regions.
@@ -26,6 +27,8 @@ import torch
 import torch.nn as nn
 
 from fsdp_compile._torch import _invoke_subgraph
+from fsdp_compile.capture import boundary
+from fsdp_compile.capture.boundary import INLINE_PARALLEL
 from fsdp_compile.capture.forward import _get
 from fsdp_compile.capture.step import STEP
 from fsdp_compile.plan import ShardingPlan
@@ -42,14 +45,9 @@ def _plain_attributes(module: nn.Module) -> tuple:
     return tuple(out)
 
 
-def _has_inner_hooks(module: nn.Module) -> bool:
-    for name, sub in nn.Module.named_modules(module):
-        hooks = list(sub._forward_hooks.values()) + list(sub._forward_pre_hooks.values())
-        if name == "":  # the block's own: FSDP2's (our dispatchers) run outside the region, per block
-            hooks = [h for h in hooks if not hasattr(h, "fsdp_hook")]
-        if hooks or sub._backward_hooks or sub._backward_pre_hooks:
-            return True
-    return False
+def _tensor_names(block: nn.Module) -> tuple[str, ...]:
+    """The block's parameters' and buffers' names, in the order its region takes them (``_make_region``)."""
+    return tuple(n for n, _ in nn.Module.named_parameters(block)) + tuple(n for n, _ in nn.Module.named_buffers(block))
 
 
 def find_repeated_blocks(model: nn.Module, plan: ShardingPlan) -> list[list[str]]:
@@ -63,7 +61,8 @@ def find_repeated_blocks(model: nn.Module, plan: ShardingPlan) -> list[list[str]
         m = modules[g.fqn]
         # raw names: CheckpointWrapper.named_parameters() strips its own prefix
         params = list(nn.Module.named_parameters(m))
-        if {f"{g.fqn}.{n}" for n, _ in params} != {p.fqn for p in g.params} or _has_inner_hooks(m):
+        # hooks inside a block (TP's) are compared per kind (``inline_reason``)
+        if {f"{g.fqn}.{n}" for n, _ in params} != {p.fqn for p in g.params}:
             continue
         signature = (
             type(m), g.param_dtype,
@@ -85,7 +84,7 @@ def _reuse_key(spec, *operands) -> int:
     ]))
 
 
-def _make_region(blocks: list[nn.Module], index: int):
+def _make_region(blocks: list[nn.Module], index: int, specs: tuple = ()):
     from torch.nn.utils.stateless import _reparametrize_module
 
     template = blocks[0]
@@ -95,6 +94,8 @@ def _make_region(blocks: list[nn.Module], index: int):
     if len({_plain_attributes(b) for b in blocks}) == 1:
         def region(spec, *operands):
             tensors, args, kwargs = _unflatten_call(spec, n, operands)
+            if specs:  # the DTensor parameters, from their local tensors (``boundary``)
+                tensors = boundary.rebuilt(tensors, specs)
             with _reparametrize_module(template, dict(zip(names, tensors))):
                 return forward(template, *args, **kwargs)
 
@@ -111,13 +112,7 @@ def _make_region(blocks: list[nn.Module], index: int):
 
 
 # Why a kind of repeated block is compiled inline before any trace (``passes/regions.py`` decides the rest
-# on the traced graphs).
-INLINE_PARALLEL = (
-    "its parameters are DTensors of tensor or expert parallelism, and torch 2.13's invoke_subgraph hands a "
-    "region's DTensor outputs back as plain tensors (measured on torchtitan's Llama3 with TP)"
-)
-
-
+# on the traced graphs; ``boundary``'s: DTensors and hooks).
 INLINE_SUBCLASS = (
     "fsdp_post_all_gather rebuilds its parameter {fqn!r} as a {kind}, and torch 2.13's invoke_subgraph takes no "
     "tensor subclass operands (measured with torchao's float8 weights)"
@@ -127,13 +122,25 @@ INLINE_SUBCLASS = (
 def inline_reason(plan: ShardingPlan, fqns: list[str], model: nn.Module) -> str | None:
     """Why the blocks ``fqns`` (one kind) of ``model`` cannot run as a region at all, or None."""
     params = [p for f in fqns for p in plan.group(f).params]
-    # spmd_types parameters are handed over as plain tensors (their all-reduce over tp runs outside the region)
-    if any(p.parallel is not None and p.parallel.grad_placements is None for p in params):
-        return INLINE_PARALLEL
+    blocks = [model.get_submodule(f) for f in fqns]
+    names = _tensor_names(blocks[0])
+    # DTensor parameters cross the boundary as local tensors, their layouts constants of the region (``boundary``);
+    # spmd_types parameters are plain tensors (their all-reduce over tp runs outside the region)
+    if any(boundary.parallel_specs(plan, fqns[0], names)):
+        if len({_plain_attributes(b) for b in blocks}) > 1:
+            return INLINE_PARALLEL
+        why = boundary.parallel_reason(plan, fqns, names)
+        if why is not None:
+            return why
+    why = boundary.hooks_reason(blocks, fqns)
+    if why is not None:
+        return why
     for p in params:
         if p.extension is not None and p.extension.unsharded_kind != "Tensor":
             return INLINE_SUBCLASS.format(fqn=p.fqn, kind=p.extension.unsharded_kind)
-    return None
+    # a compiled step found the region returning a DTensor: each block traced as itself and inlined
+    region = getattr(blocks[0].forward, "fsdp_compile_region", None)
+    return getattr(getattr(region, "__marked_compile_region_fn__", None), "fsdp_compile_inline_why", None)
 
 
 def install_regions(model: nn.Module, plan: ShardingPlan) -> tuple[list[list[str]], list]:
@@ -149,11 +156,12 @@ def install_regions(model: nn.Module, plan: ShardingPlan) -> tuple[list[list[str
         blocks = [modules[f] for f in fqns]
         if inline_reason(plan, fqns, model) is not None:
             continue
-        region, names, pass_block = _make_region(blocks, index)
+        specs = boundary.parallel_specs(plan, fqns[0], _tensor_names(blocks[0]))
+        region, names, pass_block = _make_region(blocks, index, specs if any(specs) else ())
         for block in blocks:
             previous = block.__dict__.get("forward")
             pairs = () if pass_block or block is blocks[0] else _attribute_pairs(block, blocks[0])
-            block.forward = _regional_forward(block, region, names, pass_block, pairs)
+            block.forward = _regional_forward(block, region, names, pass_block, pairs, specs if any(specs) else ())
             forwards.append((block, previous, block.forward))
     return repeated, forwards
 
@@ -193,7 +201,7 @@ def _holders(block: nn.Module, names) -> tuple:
     return tuple(out)
 
 
-def _regional_forward(block: nn.Module, region, names, pass_block: bool, pairs: tuple = ()):
+def _regional_forward(block: nn.Module, region, names, pass_block: bool, pairs: tuple = (), specs: tuple = ()):
     own = getattr(block.forward, "fsdp_compile_own_forward", block.forward)  # the bound method of its class
     holders = _holders(block, names)
 
@@ -204,6 +212,8 @@ def _regional_forward(block: nn.Module, region, names, pass_block: bool, pairs: 
             return own(*args, **kwargs)
         # the unsharded tensors that traced_forward's call_with put in place, as the region's inputs
         tensors = tuple([held[key] for held, key in holders])
+        if specs:  # DTensor parameters go in as their local tensors (``boundary``)
+            tensors = boundary.flattened(tensors, specs)
         if pass_block:
             return region(block, tensors, *args, **kwargs)
         spec, operands = _flatten_call(tensors, args, kwargs)

@@ -149,6 +149,17 @@ def _as_input(out: fx.Node) -> tuple[int, list[fx.Node]] | None:
     return list(out.graph.find_nodes(op="placeholder")).index(out), chain[::-1]
 
 
+def _views_of_unshard(value, unshard: set[fx.Node]) -> list[fx.Node] | None:
+    """The view nodes from an unshard chain node to ``value`` ([] where ``value`` is one), or None where it is
+    not such a view: a TP parameter enters its region as the local tensor of the DTensor built on the gathered
+    tensor (``capture/boundary.py``), two views of it in ATen."""
+    views = []
+    while isinstance(value, fx.Node) and value not in unshard and value.op == "call_function" and value.target in _VIEWS:
+        views.append(value)
+        value = value.args[0]
+    return views if isinstance(value, fx.Node) and value in unshard else None
+
+
 def _rewire_region_inputs(gm: fx.GraphModule) -> int:
     """Backward region calls take the forward region call's own inputs, not its pass-through outputs, for
     values of unshard chains (see the module docstring); returns how many arguments were rewired."""
@@ -169,8 +180,11 @@ def _rewire_region_inputs(gm: fx.GraphModule) -> int:
                 continue
             k, views = hit
             value = producer.args[2 + k]
-            if not isinstance(value, fx.Node) or value not in unshard:
+            between = _views_of_unshard(value, unshard)
+            if between is None:
                 continue
+            for view in between:  # recomputed from the chain, not saved (a saved view keeps its whole base)
+                view.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
             with graph.inserting_before(call):
                 for view in views:
                     value = graph.call_function(view.target, (value, *view.args[1:]), dict(view.kwargs))

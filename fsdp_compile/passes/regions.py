@@ -37,7 +37,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from fsdp_compile._torch._invoke_subgraph import ATEN_FORMS
+from fsdp_compile._torch._invoke_subgraph import ATEN_FORMS, RETURNS_SUBCLASS
 
 _INVOKE_SUBGRAPH = torch.ops.higher_order.invoke_subgraph
 _CHECKPOINT = torch.ops.higher_order.tag_activation_checkpoint
@@ -97,7 +97,7 @@ def _walk(gm: fx.GraphModule, under_checkpoint: bool, fake_mode, verdicts, decis
             key = id(body)
             if key not in verdicts:
                 verdicts[key] = refuse or _why_not(body, fake_mode)
-            why = verdicts[key]
+            why = verdicts[key] or _returns_subclass(body)
             if why == RANDOM_UNDER_CHECKPOINT and not under_checkpoint:
                 why = None
             decisions.append(RegionDecision(_region_name(body), node.args[0].target, why))
@@ -218,6 +218,18 @@ def _write_back(gm: fx.GraphModule, call: fx.Node, body: fx.GraphModule, indices
         call.meta["example_value"] = values
     gm.graph.lint()
     gm.recompile()
+
+
+def _returns_subclass(body: fx.GraphModule) -> str | None:
+    """RETURNS_SUBCLASS where an output of ``body`` (Dynamo's example values) is a tensor subclass. Its
+    DTensor parameters enter as plain local tensors (``capture/boundary.py``); its outputs are not flattened."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    for out in body.graph.output_node().args[0]:
+        value = out.meta.get("example_value") if isinstance(out, fx.Node) else None
+        if is_traceable_wrapper_subclass(value):
+            return RETURNS_SUBCLASS.format(kind=type(value).__name__)
+    return None
 
 
 def _attr(gm: fx.GraphModule, node: fx.Node):

@@ -1,0 +1,197 @@
+"""What crosses a region's boundary, and what a region may trace once for every block of a kind.
+
+**DTensor parameters.** A TP/EP block's unsharded parameters are DTensors (``forward._as_dtensor`` builds
+them at the top level, as FSDP2's ``init_unsharded_param`` does). Only their local tensors enter the
+region (``to_local``: in backward it hands the local gradient back as a DTensor of the parameter's own
+placements, which ``_as_dtensor``'s backward then takes as it is); the region rebuilds each DTensor from
+its ``ParallelSpec``, a constant of the region (equal for every block of the kind: ``parallel_reason``),
+with ``_as_dtensor``'s own backward (``_DataParallelDTensor``: a Partial gradient redistributed to its
+placements, on the non-data-parallel dims). So the gradient that leaves the region is the local tensor
+the inline compile hands to the reduce-scatter, redistributed by the same collective, inside the region
+instead of after it. A region's outputs are not flattened: one that returns a DTensor (torchtitan 0.3.0's blocks,
+a TP style's ``use_local_output=False``) is traced per block and inlined (``_torch/_invoke_subgraph.py``).
+
+**Hooks inside a block.** ``parallelize_module`` hooks every Linear it parallelizes (each a lambda around a
+``functools.partial`` of its style's input/output function, with the layouts and the mesh). The template
+block's trace runs its hooks; that trace serves the other blocks only where their hooks are provably the
+same computation (``hooks_reason``): the same functions, holding equal values (the same submodule path, a
+mesh of the same ranks and process groups, equal placements). Anything else is compared by identity, so a
+hook not provably equal keeps the kind inline, with the reason.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+
+import torch
+import torch.nn as nn
+
+
+INLINE_PARALLEL = (
+    "its parameters are DTensors of tensor or expert parallelism and its blocks differ in a plain attribute, so "
+    "each is passed into the region itself, with its DTensors (torch 2.13's invoke_subgraph hands a region's "
+    "DTensors back as plain tensors); only a template region flattens them to their local tensors"
+)
+INLINE_PARALLEL_DIFFERS = (
+    "its DTensor parameter {name!r} is laid out differently in {fqn!r} than in {first!r} ({a} against {b}): "
+    "a region's DTensor layout is a constant of its trace"
+)
+INLINE_HOOKS = (
+    "the hooks inside {fqn!r} ({where}) are not provably the same as {first!r}'s, whose trace the region would "
+    "reuse (hooks are compared by their functions and the values they hold)"
+)
+
+_VALUES = (int, float, str, bool, type(None), torch.dtype, torch.device)
+_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
+def parallel_specs(plan, fqn: str, names) -> tuple:
+    """Per tensor name of block ``fqn`` (``_make_region``'s ``names``): the ``ParallelSpec`` of a parameter
+    handed to the block as a DTensor, else None (a plain parameter, an spmd_types one, a buffer)."""
+    specs = {p.fqn: p.parallel for p in plan.group(fqn).params}
+    out = tuple(specs.get(f"{fqn}.{n}") for n in names)
+    return tuple(s if s is not None and s.grad_placements is None else None for s in out)
+
+
+def parallel_reason(plan, fqns: list[str], names) -> str | None:
+    """Why the DTensor parameters of blocks ``fqns`` cannot share one region's constants (None: they can)."""
+    first = parallel_specs(plan, fqns[0], names)
+    for fqn in fqns[1:]:
+        for name, a, b in zip(names, parallel_specs(plan, fqn, names), first):
+            if _spec_key(a) != _spec_key(b):
+                return INLINE_PARALLEL_DIFFERS.format(name=name, fqn=fqn, first=fqns[0], a=_shown(a), b=_shown(b))
+    return None
+
+
+def _spec_key(spec):
+    if spec is None:
+        return None
+    return (_mesh_key(spec.mesh), tuple(spec.placements), tuple(spec.shape), tuple(spec.stride), tuple(spec.dp_dims))
+
+
+def _mesh_key(mesh) -> tuple:
+    """A mesh by its ranks, dim names and process groups: ``mesh["tp"]`` is a new object at every slicing, and
+    meshes compare equal by layout alone (two meshes of one shape on other groups would)."""
+    try:
+        return ("mesh", mesh.device_type, tuple(mesh.mesh.shape), tuple(mesh.mesh.flatten().tolist()),
+                mesh.mesh_dim_names, tuple(g.group_name for g in mesh.get_all_groups()))
+    except AttributeError:  # a mesh torch handed over as an opaque object (FakeScriptObject) reads nothing: by identity
+        return ("object", id(mesh))
+
+
+def _shown(spec) -> str:
+    return "a plain tensor" if spec is None else f"{spec.describe()}, shape {tuple(spec.shape)}"
+
+
+def flattened(tensors: tuple, specs: tuple) -> tuple:
+    """The region's operands: each DTensor parameter as its local tensor (outside the region)."""
+    return tuple(t if s is None else t.to_local() for t, s in zip(tensors, specs))
+
+
+def rebuilt(tensors: tuple, specs: tuple) -> tuple:
+    """Inside the region: each local tensor as the DTensor ``_as_dtensor`` made of it, with its backward."""
+    return tuple(
+        t if s is None else _RegionDTensor.apply(t, s.mesh, s.placements, s.dp_dims, s.shape, s.stride)
+        for t, s in zip(tensors, specs)
+    )
+
+
+class _RegionDTensor(torch.autograd.Function):
+    """``forward._DataParallelDTensor`` (with ``dp_dims`` ``()``: ``DTensor.from_local``'s backward) in the form
+    a region's trace takes: AOTAutograd traces a region's body under functorch's transforms, which require
+    ``setup_context``. ``allow_in_graph`` for the same reason as there."""
+
+    @staticmethod
+    def forward(local, mesh, placements, dp_dims, shape, stride):
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.placements, ctx.dp_dims = inputs[2], inputs[3]
+
+    @staticmethod
+    def backward(ctx, grad):
+        from torch.distributed.tensor import Replicate
+
+        target = tuple(grad.placements[i] if i in ctx.dp_dims else Replicate() if p.is_partial() else p
+                       for i, p in enumerate(ctx.placements))
+        if target != tuple(grad.placements):
+            grad = grad.redistribute(placements=target)
+        return grad.to_local(), None, None, None, None, None
+
+
+torch._dynamo.allow_in_graph(_RegionDTensor)
+
+
+def hooks_reason(blocks: list[nn.Module], fqns: list[str]) -> str | None:
+    """Why the hooks inside ``blocks`` (one kind) are not provably the template's (None: they are, or there
+    are none). The block's own hooks (FSDP2's, our dispatchers, a user's) run outside the region, per block."""
+    first = _hook_signature(blocks[0])
+    for block, fqn in zip(blocks[1:], fqns[1:]):
+        mine = _hook_signature(block)
+        if mine != first:
+            differ = sorted({w for w, _ in set(mine) ^ set(first)} if _hashable(mine, first) else {"?"})
+            return INLINE_HOOKS.format(fqn=fqn, first=fqns[0], where=", ".join(differ[:3]) or "order")
+    return None
+
+
+def _hashable(*values) -> bool:
+    try:
+        hash(values)
+        return True
+    except TypeError:
+        return False
+
+
+def _hook_signature(block: nn.Module) -> tuple:
+    paths = {id(m): p for p, m in nn.Module.named_modules(block)}
+    out = []
+    for path, sub in nn.Module.named_modules(block):
+        if path == "":  # the block's own hooks run around the region call, not in its trace
+            continue
+        for kind in _HOOKS:
+            flags = (getattr(sub, kind + "_with_kwargs", {}), getattr(sub, kind + "_always_called", {}))
+            hooks = [(_described(h, paths), hid in flags[0], hid in flags[1]) for hid, h in getattr(sub, kind).items()]
+            if hooks:
+                out.append((f"{path}.{kind}", tuple(hooks)))
+    return tuple(out)
+
+
+def _described(obj, paths: dict, depth: int = 0):
+    """``obj`` (a hook, or what a hook holds) as a value equal to another block's exactly where both provably
+    compute the same: a submodule of the block by its path, plain values and placements by value, functions
+    by their code and what they hold, a parallel style by its class and attributes, a mesh by its ranks and
+    process groups; anything else by identity (the same object in every block: a global function)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel import ParallelStyle
+    from torch.distributed.tensor.placement_types import Placement
+
+    if depth > 8:
+        return ("object", id(obj))
+    d = functools.partial(_described, paths=paths, depth=depth + 1)
+    if isinstance(obj, nn.Module):
+        return ("module", paths[id(obj)]) if id(obj) in paths else ("object", id(obj))
+    if isinstance(obj, _VALUES) or isinstance(obj, Placement):
+        return ("value", type(obj), obj)
+    if isinstance(obj, DeviceMesh):
+        return _mesh_key(obj)
+    if type(obj) in (tuple, list):
+        return (type(obj).__name__, tuple(d(o) for o in obj))
+    if type(obj) is dict and all(isinstance(k, str) for k in obj):
+        return ("dict", tuple((k, d(v)) for k, v in obj.items()))
+    if isinstance(obj, functools.partial):
+        return ("partial", d(obj.func), d(obj.args), d(dict(obj.keywords)))
+    if isinstance(obj, types.MethodType):
+        return ("method", obj.__func__, d(obj.__self__))
+    if isinstance(obj, types.FunctionType):
+        try:
+            cells = tuple(c.cell_contents for c in obj.__closure__ or ())
+        except ValueError:  # an empty cell
+            return ("object", id(obj))
+        return ("function", obj.__code__, id(obj.__globals__), d(cells), d(obj.__defaults__), d(obj.__kwdefaults__))
+    if isinstance(obj, ParallelStyle):
+        return ("style", type(obj), d(dict(vars(obj))))
+    return ("object", id(obj))
