@@ -9,6 +9,7 @@ rank on torch's fake process group of world size 2 instead (the same graphs, no 
 beside it on the same cores). ``--repeat N``: N rounds over every depth and variant, each with its own
 cache directories; the tables give the median of the N. Variants:
   fc              fsdp_compile.compile on the fully_shard model (default config: Inductor, regions, schedule)
+  fc:no-regions   the same with CompileConfig(regions=False): every block compiled inline
   torch-fsdp      torch.compile on the same fully_shard model (graph breaks at every FSDP hook)
   torch-plain     torch.compile on the same model unsharded (no FSDP, no collectives): the compiler's own cost
 The model is a narrow Llama (hidden 64), so compute is negligible: HF transformers' LlamaForCausalLM when
@@ -35,7 +36,7 @@ import time
 sys.path.insert(0, os.path.dirname(__file__))
 import _harness as H  # noqa: E402
 
-VARIANTS = ("fc", "torch-fsdp", "torch-plain")
+VARIANTS = ("fc", "fc:no-regions", "torch-fsdp", "torch-plain")
 W = 2
 MODELS = {  # --model: what it builds (``build``)
     "hf": "HF transformers' LlamaForCausalLM",
@@ -138,10 +139,10 @@ def _rank(rank: int, store: str, args, out: str) -> None:
         fc.single_thread_gloo()  # torch's gloo races between its worker threads (fsdp_compile/_torch/_gloo.py)
         dist.init_process_group("gloo", store=dist.FileStore(store, world(args.model)), rank=rank, world_size=world(args.model),
                                 timeout=datetime.timedelta(seconds=900))
-    model, loss = build(args.model, args.depth, shard=args.variant in ("fc", "torch-fsdp"))
+    model, loss = build(args.model, args.depth, shard=args.variant != "torch-plain")
     extra = {}
-    if args.variant == "fc":
-        step = fc.compile(model)
+    if args.variant.startswith("fc"):
+        step = fc.compile(model, regions=args.variant == "fc")
     else:
         step = torch.compile(model)
     ids = torch.randint(0, 1024, (2, 64), generator=torch.Generator().manual_seed(rank))
@@ -150,7 +151,7 @@ def _rank(rank: int, store: str, args, out: str) -> None:
     with H.compile_timing() as timing:
         loss(step(input_ids=ids, labels=ids) if args.model == "hf" else step(ids)).backward()
     first = time.perf_counter() - t0
-    if args.variant == "fc":
+    if args.variant.startswith("fc"):
         extra = {"planning_s": step.schedule.planning_s, "units": len(step.schedule.units)}
     extra["phases_s"] = H.compile_phases(timing, first)  # this rank's (rank 0's is written)
     extra["dynamo_frames"] = timing["calls"].get("_compile.compile_inner", 0)
@@ -194,7 +195,7 @@ def measure(variant: str, depth: int, model: str, cache_dir: str, one_process: b
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--depths", nargs="+", type=int, default=[2, 8, 16, 32])
-    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    ap.add_argument("--variants", nargs="+", default=[v for v in VARIANTS if v != "fc:no-regions"], choices=VARIANTS)
     ap.add_argument("--model", choices=list(MODELS), default=None)
     ap.add_argument("--quick", action="store_true", help="depths 2 and 8 only")
     ap.add_argument("--one-process", action="store_true", help="one rank on the fake process group (world size 2)")
@@ -313,7 +314,7 @@ def _plot(rows, args, path) -> None:
     except ImportError:
         return
     fig, ax = plt.subplots(figsize=(6.5, 4))
-    for variant, color in zip(args.variants, ("#4C72B0", "#DD8452", "#55A868")):
+    for variant, color in zip(args.variants, ("#4C72B0", "#8172B3", "#DD8452", "#55A868")):
         for kind, style in (("cold", "o-"), ("warm", "s--")):
             pts = [(r["depth"], r[kind]["first_step_s"]) for r in rows if r["variant"] == variant and "first_step_s" in r[kind]]
             if pts:
