@@ -129,6 +129,20 @@ def _is_backward(graph: torch.fx.Graph) -> bool:
     return any(n.op == "placeholder" and n.name.startswith("tangents") for n in graph.nodes)
 
 
+# Torch functions that AOTAutograd's cache does not list, so that it never caches a graph calling one, though a
+# cached graph is as sound as a traced one: Dynamo puts the entry and exit of torch.nn.attention.sdpa_kernel(...)
+# and of torch.autocast(...) in the graph as these calls, with their settings as constant arguments (so in the
+# cache key), for AOTAutograd's trace of the graph to run under them, and the traced graph holds what they chose
+# (the attention kernel, the casts). Measured on torchtitan's DeepSeek-V3, whose attention enters sdpa_kernel and
+# whose MoE router leaves autocast: "Bypassing autograd cache due to: Unsupported call_function target", so
+# every warm start traced the whole step again. Keyed by the torch version that defines them.
+CACHE_SAFE_FUNCTIONS = {
+    name: torch.__version__
+    for name in ("torch.nn.attention._backend_from_string", "torch.nn.attention._sdpa_kernel",
+                 "torch.amp.autocast_mode._enter_autocast", "torch.amp.autocast_mode._exit_autocast")
+}
+
+
 def make_backend(
     config: CompileConfig,
     plan: ShardingPlan,
@@ -201,6 +215,8 @@ def make_backend(
             # region's input that a region output aliases (_invoke_subgraph.region_outputs_alias_inputs
             # fixes that). It also undoes our prefetches. Our schedule plans memory itself.
             patches["reorder_for_peak_memory"] = False
+            patches["unsafe_marked_cacheable_functions"] = {**torch._inductor.config.unsafe_marked_cacheable_functions,
+                                                            **CACHE_SAFE_FUNCTIONS}
             if config.dump_dir:
                 patches["fx_graph_cache"] = False  # a cache hit would skip the passes that write the dump
             if gate is not None:

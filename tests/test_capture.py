@@ -555,3 +555,35 @@ def test_call_with_is_functional_call():
     assert after.keys() == originals.keys() and all(after[n] is p for n, p in originals.items())
     with pytest.raises(ValueError, match="no parameter 'block.gone'"):
         capture.parameter_places(m, ["block.gone"])
+
+
+def test_graphs_entering_sdpa_kernel_or_autocast_are_cacheable():
+    """AOTAutograd's cache refuses a Dynamo graph that calls a torch function it does not list; Dynamo puts the
+    entry and exit of ``sdpa_kernel(...)`` and ``torch.autocast(...)`` in the graph as such calls (torchtitan's
+    attention and MoE router), so every warm start of those models traced the whole step again. Our compiles
+    list them (``backend.CACHE_SAFE_FUNCTIONS``): the graph is then cacheable, and without them it is not."""
+    import torch.nn.functional as F
+    from torch._functorch._aot_autograd.autograd_cache import BypassAOTAutogradCache, check_cacheable
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from fsdp_compile.backend import CACHE_SAFE_FUNCTIONS
+
+    graphs = []
+
+    def grab(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    @torch.compile(backend=grab, fullgraph=True)
+    def attention(q):
+        with sdpa_kernel(SDPBackend.MATH):
+            out = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+        with torch.autocast("cpu", enabled=False):
+            return out.float() @ out.float().transpose(-1, -2)
+
+    attention(torch.randn(1, 2, 4, 8))
+    (gm,) = graphs
+    with pytest.raises(BypassAOTAutogradCache, match="Unsupported call_function target"):
+        check_cacheable(gm)
+    with torch._inductor.config.patch(unsafe_marked_cacheable_functions=CACHE_SAFE_FUNCTIONS):
+        check_cacheable(gm)
