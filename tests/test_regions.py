@@ -559,6 +559,11 @@ def test_tp_hooks_compared_per_kind(gloo_world_1):
     assert "'b.2' (0._forward_pre_hooks)" in boundary.hooks_reason(blocks, fqns)
     blocks[1][2].register_forward_hook(lambda *a: None)
     assert "'b.1' (2._forward_hooks)" in boundary.hooks_reason(blocks, fqns)
+    # a block's own hooks run around the region call and may change what it reads (transformers' EP experts)
+    blocks[2].register_forward_pre_hook(lambda *a: None)
+    assert "'b.2' has hooks of its own" in boundary.hooks_reason(blocks, fqns)
+    blocks[0].forward = functools.partial(type(blocks[0]).forward, blocks[0])  # as transformers' EP sets ep_forward
+    assert "'b.0' runs a forward set on it" in boundary.hooks_reason(blocks, fqns)
 
 
 def test_dtensor_crosses_the_boundary_as_its_local_tensor(gloo_world_1):

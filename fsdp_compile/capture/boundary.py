@@ -42,6 +42,15 @@ INLINE_HOOKS = (
     "reuse (hooks are compared by their functions and the values they hold)"
 )
 
+INLINE_OWN_FORWARD = (
+    "{fqn!r} runs a forward set on it (not its class's: transformers' expert-parallel ep_forward), which a region, "
+    "tracing its class's forward once for every block, would skip"
+)
+INLINE_OWN_HOOKS = (
+    "{fqn!r} has hooks of its own besides FSDP's: they run around the region call, per block, and may change what "
+    "the region's trace reads (transformers' expert-parallel hooks on an experts module do)"
+)
+
 _VALUES = (int, float, str, bool, type(None), torch.dtype, torch.device)
 _HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 
@@ -84,8 +93,13 @@ def _shown(spec) -> str:
     return "a plain tensor" if spec is None else f"{spec.describe()}, shape {tuple(spec.shape)}"
 
 
-def flattened(tensors: tuple, specs: tuple) -> tuple:
-    """The region's operands: each DTensor parameter as its local tensor (outside the region)."""
+def flattened(tensors: tuple, specs: tuple) -> tuple | None:
+    """The region's operands: each DTensor parameter as its local tensor (outside the region); None where one
+    is no DTensor now (something replaced it: the block then runs inline)."""
+    from torch.distributed.tensor import DTensor
+
+    if any(s is not None and not isinstance(t, DTensor) for t, s in zip(tensors, specs)):
+        return None
     return tuple(t if s is None else t.to_local() for t, s in zip(tensors, specs))
 
 
@@ -129,6 +143,12 @@ torch._dynamo.allow_in_graph(_RegionDTensor)
 def hooks_reason(blocks: list[nn.Module], fqns: list[str]) -> str | None:
     """Why the hooks inside ``blocks`` (one kind) are not provably the template's (None: they are, or there
     are none). The block's own hooks (FSDP2's, our dispatchers, a user's) run outside the region, per block."""
+    for block, fqn in zip(blocks, fqns):
+        if _replaced_forward(block):  # a template region traces the class's forward
+            return INLINE_OWN_FORWARD.format(fqn=fqn)
+        own = [h for kind in _HOOKS for h in getattr(block, kind).values() if not _fsdp_hook(h)]
+        if own:  # they run around the region call, and may change what its trace reads (transformers' EP hooks)
+            return INLINE_OWN_HOOKS.format(fqn=fqn)
     first = _hook_signature(blocks[0])
     for block, fqn in zip(blocks[1:], fqns[1:]):
         mine = _hook_signature(block)
@@ -136,6 +156,28 @@ def hooks_reason(blocks: list[nn.Module], fqns: list[str]) -> str | None:
             differ = sorted({w for w, _ in set(mine) ^ set(first)} if _hashable(mine, first) else {"?"})
             return INLINE_HOOKS.format(fqn=fqn, first=fqns[0], where=", ".join(differ[:3]) or "order")
     return None
+
+
+def _replaced_forward(block: nn.Module) -> bool:
+    """Whether ``block.forward`` was replaced per instance (transformers' expert-parallel ``ep_forward``), seen
+    through ours (``fsdp_compile_own_forward``) and a composable checkpoint's around ours (``_inner``)."""
+    f = block.__dict__.get("forward")
+    while f is not None:
+        if hasattr(f, "fsdp_compile_own_forward"):
+            f = f.fsdp_compile_own_forward
+        elif (getattr(f, "__kwdefaults__", None) or {}).get("_inner") is not None:
+            f = f.__kwdefaults__["_inner"]
+        else:
+            return getattr(f, "__func__", None) is not type(block).forward
+    return False
+
+
+def _fsdp_hook(hook) -> bool:
+    """FSDP2's own forward hooks on a block (``fully_shard``'s, ``replicate``'s), or our dispatchers in their
+    place (``capture/hooks.py``, composable checkpoint's too)."""
+    owner = getattr(hook, "__self__", None) or getattr(getattr(hook, "func", None), "__self__", None)
+    return hasattr(hook, "fsdp_hook") or type(owner).__module__.startswith(
+        ("torch.distributed.fsdp", "torch.distributed._composable"))
 
 
 def _hashable(*values) -> bool:

@@ -214,6 +214,8 @@ def _regional_forward(block: nn.Module, region, names, pass_block: bool, pairs: 
         tensors = tuple([held[key] for held, key in holders])
         if specs:  # DTensor parameters go in as their local tensors (``boundary``)
             tensors = boundary.flattened(tensors, specs)
+            if tensors is None:
+                return own(*args, **kwargs)
         if pass_block:
             return region(block, tensors, *args, **kwargs)
         spec, operands = _flatten_call(tensors, args, kwargs)
