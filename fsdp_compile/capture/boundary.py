@@ -27,6 +27,8 @@ import types
 import torch
 import torch.nn as nn
 
+from fsdp_compile.capture.forward import data_parallel_grad
+
 
 INLINE_PARALLEL = (
     "its parameters are DTensors of tensor or expert parallelism and its blocks differ in a plain attribute, so "
@@ -128,13 +130,7 @@ class _RegionDTensor(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        from torch.distributed.tensor import Replicate
-
-        target = tuple(grad.placements[i] if i in ctx.dp_dims else Replicate() if p.is_partial() else p
-                       for i, p in enumerate(ctx.placements))
-        if target != tuple(grad.placements):
-            grad = grad.redistribute(placements=target)
-        return grad.to_local(), None, None, None, None, None
+        return data_parallel_grad(grad, ctx.placements, ctx.dp_dims), None, None, None, None, None
 
 
 torch._dynamo.allow_in_graph(_RegionDTensor)

@@ -167,16 +167,22 @@ class _DataParallelDTensor(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        from torch.distributed.tensor import Replicate
-
-        target = tuple(grad.placements[i] if i in ctx.dp_dims else Replicate() if p.is_partial() else p
-                       for i, p in enumerate(ctx.placements))
-        if target != tuple(grad.placements):
-            grad = grad.redistribute(placements=target)
-        return grad.to_local(), None, None, None, None, None
+        return data_parallel_grad(grad, ctx.placements, ctx.dp_dims), None, None, None, None, None
 
 
 torch._dynamo.allow_in_graph(_DataParallelDTensor)
+
+
+def data_parallel_grad(grad, placements, dp_dims):
+    """``_DataParallelDTensor``'s backward: the local tensor of ``grad`` redistributed to ``placements`` on the
+    dims not in ``dp_dims`` (a Partial one all-reduced, as Replicate), as it comes on those."""
+    from torch.distributed.tensor import Replicate
+
+    target = tuple(grad.placements[i] if i in dp_dims else Replicate() if p.is_partial() else p
+                   for i, p in enumerate(placements))
+    if target != tuple(grad.placements):
+        grad = grad.redistribute(placements=target)
+    return grad.to_local()
 
 
 class _SpmdTypesParam(torch.autograd.Function):
