@@ -125,13 +125,18 @@ def test_nothing_moves_without_a_plan_to():
         assert [n.name for n in new.graph.nodes] == [n.name for n in gm.graph.nodes]
 
 
+def _one_sink(schedule, bw, k: int):
+    """``(moves, graph)``: ``schedule`` applied to a copy of ``bw`` with every unit issued in place and only unit
+    ``k``'s reduction wait deferred past the next one (sink 1)."""
+    units = [dataclasses.replace(u, issue_at=i, backward_issue_at=i, sink=0) for i, u in enumerate(schedule.units)]
+    units[k] = dataclasses.replace(units[k], sink=1)
+    new = copy_gm(bw)
+    return apply_schedule(new.graph, dataclasses.replace(schedule, units=tuple(units))), new
+
+
 def test_sink_defers_a_wait_past_the_next_reduce_scatter():
     _, bw, plan = captured(8)
-    schedule = _planned(plan)
-    units = [dataclasses.replace(u, issue_at=i, backward_issue_at=i, sink=0) for i, u in enumerate(schedule.units)]
-    units[4] = dataclasses.replace(units[4], sink=1)  # layers.3, the first reduce-scatter in backward
-    new = copy_gm(bw)
-    moves = apply_schedule(new.graph, dataclasses.replace(schedule, units=tuple(units)))
+    moves, new = _one_sink(_planned(plan), bw, 4)  # layers.3, the first reduce-scatter in backward
     assert [(m.kind, m.unit) for m in moves] == [("sink_wait", 4)]
     order = [n for n in new.graph.nodes if P.is_reduce_scatter(n) or P.is_wait(n)]
     rs = {P.fsdp_unit(n): n for n in order if P.is_reduce_scatter(n)}
@@ -153,11 +158,7 @@ def test_sink_defers_a_replicate_all_reduce():
     reduction, and a sink defers its wait as a reduce-scatter's (before, every all-reduce was waited at once:
     bench/scale_sim.py --replicate found all of the backward's communication exposed)."""
     _, bw, plan = _capture(8, 0, _replicated_llama, torch.randint(0, 256, (2, 16)))
-    schedule = _planned(plan)
-    units = [dataclasses.replace(u, issue_at=i, backward_issue_at=i, sink=0) for i, u in enumerate(schedule.units)]
-    units[3] = dataclasses.replace(units[3], sink=1)  # layers.2, the first all-reduce in backward
-    new = copy_gm(bw)
-    moves = apply_schedule(new.graph, dataclasses.replace(schedule, units=tuple(units)))
+    moves, new = _one_sink(_planned(plan), bw, 3)  # layers.2, the first all-reduce in backward
     assert [(m.kind, m.unit) for m in moves] == [("sink_wait", 3)]
     order = [n for n in new.graph.nodes if P.collective_kind(n) == "all_reduce" or P.is_wait(n)]
     ar = {P.fsdp_unit(n): n for n in order if P.collective_kind(n) == "all_reduce"}
