@@ -630,46 +630,51 @@ def test_tp_blocks_share_a_region(gloo_world_1):
 
 
 class _Residual(nn.Module):
-    """An embedding then 3 TP blocks whose row-parallel output stays a DTensor (``use_local_output=False``)."""
+    """An embedding then 3 TP blocks that take a Replicate DTensor and return one (their row-parallel output
+    stays a DTensor: ``use_local_output=False``), as torchtitan's blocks take and return Shard(1) ones."""
 
     def __init__(self, mesh):
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
         super().__init__()
+        self.tp = mesh["tp"]
         self.inp = nn.Linear(8, 8)
         self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)) for _ in range(3))
         for b in self.blocks:  # mesh["tp"] sliced per block: a new mesh object each time, of the same groups
             parallelize_module(b, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel(use_local_output=False)})
 
     def forward(self, x):
-        x = self.inp(x)
+        from torch.distributed.tensor import DTensor, Replicate
+
+        x = DTensor.from_local(self.inp(x), self.tp, [Replicate()], run_check=False)
         for b in self.blocks:
-            x = x + b(x).to_local()
-        return x
+            x = x + b(x)
+        return x.to_local()
 
 
-def test_blocks_returning_dtensors_are_inline(gloo_world_1):
-    """Torch 2.13's invoke_subgraph hands a region's DTensor outputs back as plain tensors, and Dynamo stamps
-    a recorded trace's outputs out as plain tensors: such a trace is not recorded (each block traced as itself)
-    and its calls are inlined, bitwise like eager FSDP2; compiled.regions() says why."""
+def test_blocks_taking_and_returning_dtensors_share_a_region(gloo_world_1):
+    """DTensor activations cross a region's boundary as their local tensors, in and out, their layouts constants
+    of the region (``capture/boundary.py``): the blocks are one region, and the step equals eager FSDP2's and the
+    inline compile's."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
     models = []
-    for _ in range(2):
+    for _ in range(3):
         torch.manual_seed(0)
         m = _Residual(mesh)
         for b in m.blocks:
             fully_shard(b, mesh=mesh["dp"])
         models.append(fully_shard(m, mesh=mesh["dp"]))
-    compiled = fc.compile(models[1], backend="aot_eager")
+    compiled = [fc.compile(m, backend="aot_eager", regions=r) for m, r in zip(models[1:], (True, False))]
     x = torch.randn(4, 8)
-    losses = [f(x).pow(2).sum() for f in (models[0], compiled)]
+    losses = [f(x).pow(2).sum() for f in (models[0], *compiled)]
     for loss in losses:
         loss.backward()
-    assert torch.equal(losses[0], losses[1])
-    for p, q in zip(models[0].parameters(), models[1].parameters()):
-        assert torch.equal(p.grad.to_local(), q.grad.to_local())
-    (kind,) = compiled.regions()
-    assert not kind["region"] and "returns a DTensor or another tensor subclass (DTensor)" in kind["why"], kind
+    assert torch.equal(losses[0], losses[1]) and torch.equal(losses[0], losses[2])
+    for m in models[1:]:
+        for p, q in zip(models[0].parameters(), m.parameters()):
+            assert torch.equal(p.grad.to_local(), q.grad.to_local())
+    assert compiled[0].regions() == [{"blocks": ["blocks.0", "blocks.1", "blocks.2"], "region": True, "why": None}]
+    assert _region_calls(compiled[0].captured.dynamo[0]) == ["subgraph_0"] * 3  # one body, stamped out

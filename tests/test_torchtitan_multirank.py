@@ -73,12 +73,11 @@ def test_torchtitan_bitwise(results, case):
 def test_torchtitan_full_dtensor(results):
     """``parallelize_llama`` under ``spmd_backend="full_dtensor"`` (dp_shard 2): its parameters are DTensors on the
     SPMD mesh and ``fully_shard`` gets ``dp_mesh_dims=DataParallelMeshDims(shard="dp_shard")``; the batch is a
-    DTensor Shard(0) on it. Bitwise like eager FSDP2; the blocks inline (they return DTensors, which torch 2.13's
-    invoke_subgraph hands back as plain tensors: each block traced as itself)."""
+    DTensor Shard(0) on it. Bitwise like eager FSDP2; the blocks one region (they take and return DTensors, which
+    cross its boundary as their local tensors: capture/boundary.py)."""
     for rank, r in _ok(results, FULL_DTENSOR):
         assert r["param_meshes"] == ["('dp_shard',)"], r["param_meshes"]  # the SPMD mesh, not FSDP's own
-        assert r["dynamo_graphs"] == 1 and not r["regions"][0]["region"], (rank, r["dynamo_graphs"], r["regions"])
-        assert "returns a DTensor" in r["regions"][0]["why"], r["regions"]
+        assert r["dynamo_graphs"] == 1 and r["regions"][0]["region"], (rank, r["dynamo_graphs"], r["regions"])
         assert r["loss_eager"] == r["loss_compiled"], (rank, r["loss_eager"], r["loss_compiled"])
         assert r["norm_eager"] == r["norm_compiled"], (rank, r["norm_eager"], r["norm_compiled"])
         for key in ("grad_diff", "param_diff", "buffer_diff"):
@@ -169,6 +168,7 @@ TP = TitanCase(model="llama3", tp=2, steps=2)
 # enable_weight_tying under TP: its TP plan distributes tok_embeddings and lm_head apart, fully_shard makes them
 # two FSDP parameters and init_states ties them again, which eager FSDP2 reduce-scatters one by one
 TP_TIED = TitanCase(model="llama3", tp=2, steps=2, tied=True)
+TP_INLINE = TitanCase(model="llama3", tp=2, steps=2, regions=False)  # the differential guard: blocks inline
 # expert_parallel_degree 2 (dp_shard 4, efsdp 2 x ep 2): one dense block, one MoE block whose routed experts
 # parallelize_deepseekv3 keeps in the block's FSDP module on the efsdp mesh (two FSDP2 parameter groups)
 EP = TitanCase(model="deepseek_v3", ep=2, steps=2)
@@ -180,24 +180,26 @@ TP_SPMD_TYPES = TitanCase(model="llama3", tp=2, steps=2, spmd_backend="spmd_type
 
 @pytest.fixture(scope="module")
 def tp_results():
-    return run_ranks(titan_worker, 4, [TP, TP_TIED, EP, TP_FULL, TP_SPMD_TYPES], timeout=900)
+    return run_ranks(titan_worker, 4, [TP, TP_TIED, TP_INLINE, EP, TP_FULL, TP_SPMD_TYPES], timeout=900)
 
 
-@pytest.mark.parametrize("case", [TP, TP_TIED, TP_FULL], ids=lambda c: c.name)
+@pytest.mark.parametrize("case", [TP, TP_TIED, TP_INLINE, TP_FULL], ids=lambda c: c.name)
 def test_torchtitan_tensor_parallel(tp_results, case):
     """torchtitan's own ``apply_tp`` (sequence-parallel norms, column/row-parallel projections, logits left
     sharded over the vocabulary for its vocab-parallel loss) and ``apply_fsdp`` on 4 ranks, dp_shard 2 x
     tp 2, as ``parallelize_llama`` composes them, with and without weight tying, and
     under spmd_backend="full_dtensor" (fully_shard(..., dp_mesh_dims=...) on the dp_shard x tp mesh): bitwise like
-    eager FSDP2 + TP."""
+    eager FSDP2 + TP, the blocks one region (their Shard(1) DTensor activations crossing its boundary as local
+    tensors, capture/boundary.py) and, regions off, inline."""
     for rank, r in _ok(tp_results, case):
         # FSDP2's 2-D DTensors: TP is on; full_dtensor: the SPMD mesh's names (dp_mesh_dims)
         meshes = ["('dp_shard', 'tp')"] if case.spmd_backend == "full_dtensor" else ["('fsdp', 'tp')"]
         assert r["param_meshes"] == meshes, r["param_meshes"]
         assert r["dynamo_graphs"] == 1, (rank, r["dynamo_graphs"])
-        # inline, and the report says why: torchtitan 0.3.0's blocks return DTensors, which torch 2.13's
-        # invoke_subgraph hands back as plain tensors (their DTensor parameters and TP's hooks would do as a region)
-        assert not r["regions"][0]["region"] and "returns a DTensor" in r["regions"][0]["why"], r["regions"]
+        # torchtitan 0.3.0's blocks take and return Shard(1) DTensors (sequence parallelism)
+        on = case.regions is not False
+        assert r["regions"] == [{"blocks": ["layers.0", "layers.1"], "region": on,
+                                 "why": None if on else "CompileConfig(regions=False)"}], r["regions"]
         assert r["loss_eager"] == r["loss_compiled"], (rank, r["loss_eager"], r["loss_compiled"])
         assert r["norm_eager"] == r["norm_compiled"], (rank, r["norm_eager"], r["norm_compiled"])
         for key in ("grad_diff", "param_diff", "buffer_diff"):

@@ -40,7 +40,7 @@ adds two things, during our compiled call only:
 * Recording raises where the trace read something its machinery does not handle: a tensor from the
   enclosing graph that is no argument ("Freevar has no source"), or a guard kind it cannot re-check
   ("unsupported guard type"). The trace then stays unrecorded instead of failing the compile.
-* A trace that returns a tensor subclass (a TP block's DTensor output) is not recorded: Dynamo stamps a record's
+* A trace that returns a tensor subclass (a DTensor its region left as one) is not recorded: Dynamo stamps a record's
   outputs out as plain tensors, so the code after a later block's call would be traced on plain tensors.
 
 and two savings on the way to a reuse: a call is fingerprinted (the leaves it matches a record by) without
@@ -331,9 +331,9 @@ def reuse_checked():
 
 
 RETURNS_SUBCLASS = (
-    "returns a DTensor or another tensor subclass ({kind}), which torch 2.13's invoke_subgraph hands back as a "
-    "plain tensor (a block whose TP style keeps its output a DTensor: use_local_output=False, torchtitan 0.3.0's "
-    "blocks): each block is traced as itself and inlined, where it stays one"
+    "returns a DTensor or another tensor subclass ({kind}) that its region cannot hand back as its local tensor (in a "
+    "dict, or from a block passed in itself), and torch 2.13's invoke_subgraph hands back as a plain tensor: each "
+    "block is traced as itself and inlined, where it stays one"
 )
 
 

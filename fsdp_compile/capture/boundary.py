@@ -8,8 +8,24 @@ its ``ParallelSpec``, a constant of the region (equal for every block of the kin
 with ``_as_dtensor``'s own backward (``_DataParallelDTensor``: a Partial gradient redistributed to its
 placements, on the non-data-parallel dims). So the gradient that leaves the region is the local tensor
 the inline compile hands to the reduce-scatter, redistributed by the same collective, inside the region
-instead of after it. A region's outputs are not flattened: one that returns a DTensor (torchtitan 0.3.0's blocks,
-a TP style's ``use_local_output=False``) is traced per block and inlined (``_torch/_invoke_subgraph.py``).
+instead of after it.
+
+**DTensor activations.** A template region's call (``regions._flatten_call``) hands its DTensor operands other
+than parameters (its arguments, and buffers: torchtitan's RoPE cache is a Replicate DTensor under TP) in as
+their local tensors (``to_local``), each layout (mesh, placements, global shape and stride) interned as an int
+that the call's ``spec`` string names: a constant of the trace, and part of the region's reuse key, so a block
+called with activations laid out otherwise gets its own trace. Inside, each is rebuilt by ``DTensor.from_local``
+with its backward (``_RegionDTensor``, no data-parallel dims). The body hands each DTensor it returns (the result,
+or an item of a tuple or list) back as its local tensor, and notes its layout when Dynamo traces it, by region,
+``spec`` and operand shapes (``call_key``); the call rebuilds it outside from that note. Dynamo traces the body
+before the code after the call, and stamps a reused trace out for a call of the same key, so the note is always
+there, and is the body's. Both notes are taken at trace time only (``assume_constant_result``), and cost nothing
+in the step. The gradient of such an output is redistributed to its forward placements (Partial as Replicate)
+before the region's backward, and the input gradient leaves it in the input's placements, as ``from_local`` and
+``to_local`` do; the blocks we know (torchtitan's, Shard(1) in and out under sequence parallelism) get their
+gradients in those placements already, so nothing moves. A region that returns a DTensor in any other structure
+(a dict) is traced per block and inlined, as before (``_torch/_invoke_subgraph.py``: Dynamo stamps a reused trace's
+outputs out as plain tensors); so is a block passed in itself (``regions.region_of``), which flattens nothing.
 
 **Hooks inside a block.** ``parallelize_module`` hooks every Linear it parallelizes (each a lambda around a
 ``functools.partial`` of its style's input/output function, with the layouts and the mesh). The template
@@ -134,6 +150,107 @@ class _RegionDTensor(torch.autograd.Function):
 
 
 torch._dynamo.allow_in_graph(_RegionDTensor)
+
+
+# DTensor activations (``activations_flattened`` / ``activations_rebuilt``). Their layouts are interned here, each
+# by an int that a region call's ``spec`` string carries (so the layout is a constant of the region's trace, and
+# part of its reuse key), and the layouts of what a region returns, noted when Dynamo traces its body, per region
+# and call key. Both are read and written only at trace time (``assume_constant_result``: Dynamo calls them
+# eagerly and takes their results as constants).
+_LAYOUTS: list = []  # (mesh, placements, shape, stride)
+_LAYOUT_IDS: dict = {}
+_OUTPUTS: dict = {}  # (region, call key) -> per output: a layout id, or None (a plain tensor or a constant)
+
+
+@torch._dynamo.assume_constant_result
+def _layout_id(mesh, placements, shape, stride) -> int:
+    mesh = getattr(mesh, "real_obj", mesh)  # Dynamo hands a mesh over as a FakeScriptObject, new at every call
+    key = (_mesh_key(mesh), tuple(placements), tuple(shape), tuple(stride))
+    if key not in _LAYOUT_IDS:
+        _LAYOUT_IDS[key] = len(_LAYOUTS)
+        _LAYOUTS.append((mesh, tuple(placements), tuple(shape), tuple(stride)))
+    return _LAYOUT_IDS[key]
+
+
+@torch._dynamo.assume_constant_result
+def _layout(i: int) -> tuple:
+    return _LAYOUTS[i]
+
+
+@torch._dynamo.assume_constant_result
+def _note_outputs(key: tuple, ids: tuple) -> bool:
+    _OUTPUTS[key] = ids
+    return True
+
+
+@torch._dynamo.assume_constant_result
+def _noted_outputs(key: tuple):
+    return _OUTPUTS.get(key)
+
+
+def _id_of(t) -> int:
+    return _layout_id(t.device_mesh, t.placements, tuple(t.shape), t.stride())
+
+
+def activations_flattened(operands: tuple, first: int) -> tuple[tuple, str]:
+    """Outside the region: ``operands`` with each DTensor from index ``first`` on (the block's buffers, then the
+    call's activations) as its local tensor, and ``"index:layout,..."`` naming them (``spec``'s suffix: the
+    layouts are constants of the region, and part of its reuse key)."""
+    from torch.distributed.tensor import DTensor
+
+    out, named = list(operands), []
+    for i in range(first, len(out)):
+        if isinstance(out[i], DTensor):
+            named.append(f"{i}:{_id_of(out[i])}")
+            out[i] = out[i].to_local()
+    return tuple(out), ",".join(named)
+
+
+def activations_rebuilt(operands: tuple, named: str) -> tuple:
+    """Inside the region: the DTensor activations ``activations_flattened`` named, from their local tensors, with
+    ``DTensor.from_local``'s backward (a gradient redistributed to their placements, Partial as Replicate)."""
+    if not named:
+        return operands
+    out = list(operands)
+    for part in named.split(","):
+        i, _, k = part.partition(":")
+        mesh, placements, shape, stride = _layout(int(k))
+        out[int(i)] = _RegionDTensor.apply(out[int(i)], mesh, placements, (), shape, stride)
+    return tuple(out)
+
+
+def call_key(region: str, spec: str, operands: tuple) -> tuple:
+    """What a region's outputs' layouts are noted by: the region, its call's structure and input layouts (``spec``)
+    and its operands' shapes (a DTensor's global shape follows them), the same inside and outside the region."""
+    return (region, spec, *(tuple(t.shape) if isinstance(t, torch.Tensor) else None for t in operands))
+
+
+def outputs_flattened(out, key: tuple):
+    """Inside the region: its result with each DTensor (the result, or an item of a tuple or list) as its local
+    tensor, their layouts noted under ``key`` for ``outputs_rebuilt``. Anything else is returned as it is."""
+    from torch.distributed.tensor import DTensor
+
+    items = out if type(out) in (tuple, list) else (out,)
+    if not any(isinstance(t, DTensor) for t in items):
+        _note_outputs(key, None)
+        return out
+    _note_outputs(key, tuple(_id_of(t) if isinstance(t, DTensor) else None for t in items))
+    flat = [t.to_local() if isinstance(t, DTensor) else t for t in items]
+    return type(out)(flat) if type(out) in (tuple, list) else flat[0]
+
+
+def outputs_rebuilt(out, key: tuple):
+    """Outside the region: each output ``outputs_flattened`` handed back as its local tensor, as the DTensor the
+    body returned (``DTensor.from_local``, its backward as there)."""
+    ids = _noted_outputs(key)
+    if ids is None:
+        return out
+    items = list(out) if type(out) in (tuple, list) else [out]
+    for i, k in enumerate(ids):
+        if k is not None:
+            mesh, placements, shape, stride = _layout(k)
+            items[i] = _RegionDTensor.apply(items[i], mesh, placements, (), shape, stride)
+    return type(out)(items) if type(out) in (tuple, list) else items[0]
 
 
 def hooks_reason(blocks: list[nn.Module], fqns: list[str]) -> str | None:

@@ -21,6 +21,7 @@ which region calls stay regions.
 
 from __future__ import annotations
 
+import itertools
 import types
 
 import torch
@@ -84,6 +85,9 @@ def _reuse_key(spec, *operands) -> int:
     ]))
 
 
+_MADE = itertools.count()
+
+
 def _make_region(blocks: list[nn.Module], index: int, specs: tuple = ()):
     from torch.nn.utils.stateless import _reparametrize_module
 
@@ -91,15 +95,24 @@ def _make_region(blocks: list[nn.Module], index: int, specs: tuple = ()):
     names = tuple(n for n, _ in nn.Module.named_parameters(template)) + tuple(n for n, _ in nn.Module.named_buffers(template))
     forward = type(template).forward
     n = len(names)
+    name = f"fsdp_compile_region_{index}"
     if len({_plain_attributes(b) for b in blocks}) == 1:
+        made = f"{name}:{next(_MADE)}"  # what its outputs' layouts are noted by: this region's, not another model's
+
         def region(spec, *operands):
+            key = boundary.call_key(made, spec, operands)
+            if spec is not None:  # DTensor activations, from their local tensors (``boundary``)
+                spec, _, named = spec.partition("#")
+                operands = boundary.activations_rebuilt(operands, named)
             tensors, args, kwargs = _unflatten_call(spec, n, operands)
             if specs:  # the DTensor parameters, from their local tensors (``boundary``)
                 tensors = boundary.rebuilt(tensors, specs)
             with _reparametrize_module(template, dict(zip(names, tensors))):
-                return forward(template, *args, **kwargs)
+                return boundary.outputs_flattened(forward(template, *args, **kwargs), key)
 
-        return torch.compiler.nested_compile_region(_unique_code(region, f"fsdp_compile_region_{index}"), reuse_hash_fn=_reuse_key), names, False
+        compiled = torch.compiler.nested_compile_region(_unique_code(region, name), reuse_hash_fn=_reuse_key)
+        compiled.fsdp_compile_made = made
+        return compiled, names, False
 
     # Each block is passed in with its unsharded tensors already in place (traced_forward's call_with put
     # them there), so the body sets nothing: Dynamo reuses the first block's trace for every later block whose
@@ -108,7 +121,7 @@ def _make_region(blocks: list[nn.Module], index: int, specs: tuple = ()):
     def region_of(block, tensors, *args, **kwargs):
         return forward(block, *args, **kwargs)
 
-    return torch.compiler.nested_compile_region(_unique_code(region_of, f"fsdp_compile_region_{index}")), names, True
+    return torch.compiler.nested_compile_region(_unique_code(region_of, name)), names, True
 
 
 # Why a kind of repeated block is compiled inline before any trace (``passes/regions.py`` decides the rest
@@ -203,7 +216,9 @@ def _holders(block: nn.Module, names) -> tuple:
 
 def _regional_forward(block: nn.Module, region, names, pass_block: bool, pairs: tuple = (), specs: tuple = ()):
     own = getattr(block.forward, "fsdp_compile_own_forward", block.forward)  # the bound method of its class
+    made = getattr(region, "fsdp_compile_made", None)
     holders = _holders(block, names)
+    params = len(tuple(nn.Module.named_parameters(block)))  # ``names`` lists them first (``_tensor_names``)
 
     def forward(*args, **kwargs):
         if not (STEP.active and STEP.regions):
@@ -219,7 +234,11 @@ def _regional_forward(block: nn.Module, region, names, pass_block: bool, pairs: 
         if pass_block:
             return region(block, tensors, *args, **kwargs)
         spec, operands = _flatten_call(tensors, args, kwargs)
-        return region(spec, *operands)
+        if spec is not None:  # DTensor activations and buffers (torchtitan's RoPE cache) go in as local tensors
+            operands, named = boundary.activations_flattened(operands, params)
+            spec = f"{spec}#{named}" if named else spec
+        key = boundary.call_key(made, spec, operands)
+        return boundary.outputs_rebuilt(region(spec, *operands), key)
 
     forward.fsdp_compile_region = region
     forward.fsdp_compile_passes_block = pass_block  # blocks differ in an attribute: each traced as itself
