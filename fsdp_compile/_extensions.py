@@ -30,8 +30,9 @@ Here, per compiled call:
 float8 payloads (torchao's ``WeightWithDynamicFloat8CastTensor``) always travel as bytes: gloo has no float8
 type, so eager FSDP2 fails where every parameter of a module is float8, and the op does not. A parameter
 that ``fsdp_post_all_gather`` rebuilds as a tensor subclass (torchao's ``Float8TrainingTensor``; found by
-one call at plan time, ``read_spec``) makes its block compile inline, not as a region: torch 2.13's
-``invoke_subgraph`` takes no subclass operands (``capture.inline_reason``).
+one call at plan time, ``read_spec``, which also keeps the subclass's ``__tensor_flatten__`` context) enters
+its block's region as its inner tensors (torch 2.13's ``invoke_subgraph`` takes no subclass operands), rebuilt
+inside from that context (``capture/boundary.py``).
 
 Refused, naming the parameter: a subclass without ``__tensor_flatten__`` (its ``fsdp_post_all_gather``
 runs on it inside the graph), an int ``reshard_after_forward`` (FSDP2 refuses it too), and metadata
@@ -85,8 +86,21 @@ def read_spec(where: str, local: Tensor, args: tuple, post_forward: bool, world_
     except Exception as e:
         raise RuntimeError(f"{where}: its fsdp_post_all_gather failed on tensors of the gathered inputs' shapes and "
                            f"dtypes, called once at compile time to see what it builds: {type(e).__name__}: {e}") from e
+    plain = type(full) in (Tensor, torch.nn.Parameter)
     return dataclasses.replace(spec, input_bytes=sum(t.numel() * t.element_size() for t in inputs),
-                               unsharded_kind=type(full).__name__ if type(full) not in (Tensor, torch.nn.Parameter) else "Tensor")
+                               unsharded_kind="Tensor" if plain else type(full).__name__,
+                               unsharded_flatten=None if plain else _flatten_context(full))
+
+
+def _flatten_context(full: Tensor):
+    """``(class, inner tensor names, context)`` of the subclass ``fsdp_post_all_gather`` built, or None where a
+    region cannot take it by its inner tensors (no ``__tensor_flatten__``, or inner tensors that are subclasses)."""
+    if not hasattr(type(full), "__tensor_flatten__"):
+        return None
+    names, ctx = full.__tensor_flatten__()
+    if not all(type(getattr(full, n)) is Tensor for n in names):
+        return None
+    return type(full), tuple(names), ctx
 
 
 def pre_all_gather(where: str, local: Tensor, spec, world_size: int) -> tuple[tuple[Tensor, ...], object]:

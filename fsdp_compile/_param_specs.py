@@ -88,3 +88,7 @@ class ExtensionSpec:
     one_arg: bool  # the older fsdp_pre_all_gather(mesh) signature
     input_bytes: int  # bytes of one rank's all-gather inputs
     unsharded_kind: str  # the class of what fsdp_post_all_gather returns ("Tensor" or a subclass)
+    # a subclass's (class, inner tensor names, flatten context) from its __tensor_flatten__, where its inner tensors
+    # are plain (what a region takes it by: capture/boundary.py); None otherwise. Not compared: contexts may hold
+    # anything (torchao's a config), and the kind and the step's key already tell extensions apart
+    unsharded_flatten: object = dataclasses.field(default=None, compare=False)

@@ -101,11 +101,13 @@ def test_adapter_reads_what_fsdp2_passes_fsdp_pre_all_gather():
         assert mesh.size() == W and mp == MixedPrecisionPolicy()
 
 
-@pytest.mark.parametrize("float8_all_gather", [False, True])
-def test_torchao_float8_blocks_compile_inline(float8_all_gather):
-    """Blocks of torchao float8 Linears with the float8 all-gather are compiled inline, not as a shared region,
-    naming why: their parameters rebuild as Float8TrainingTensors (no subclass operands in invoke_subgraph).
-    Without it they are a region (their numerics under Inductor: test_ops::test_regions_under_inductor_two_layers)."""
+@pytest.mark.parametrize("float8_all_gather", [False, True, "differing"])
+def test_torchao_float8_blocks_share_a_region(float8_all_gather):
+    """Blocks of torchao float8 Linears are one region, with the float8 all-gather too: each weight that
+    fsdp_post_all_gather rebuilds as a Float8TrainingTensor enters the region as its float8 data and scale,
+    rebuilt inside with one flatten context (``capture/boundary.py``; numerics: test_float8_multirank). Blocks
+    whose weights rebuild with different contexts (here, another emulate) stay inline, naming the weight.
+    Without the all-gather they are a region (under Inductor: test_ops::test_regions_under_inductor_two_layers)."""
     pytest.importorskip("torchao.float8", reason="torchao (the test extra) is not installed")
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
@@ -115,15 +117,56 @@ def test_torchao_float8_blocks_compile_inline(float8_all_gather):
     with fake_process_group(W):
         torch.manual_seed(0)
         model = Llama(LlamaArgs(n_layers=2))
-        config = Float8LinearConfig(enable_fsdp_float8_all_gather=float8_all_gather, emulate=True)
-        convert_to_float8_training(model, config=config, module_filter_fn=lambda _, fqn: fqn != "output")
+        config = Float8LinearConfig(enable_fsdp_float8_all_gather=bool(float8_all_gather), emulate=True)
+        if float8_all_gather == "differing":  # layers.1 for real float8 matmuls: another LinearMMConfig
+            convert_to_float8_training(model.layers[1], config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))
+        convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: fqn != "output" and type(m) is torch.nn.Linear)
         shard(model, list(model.layers))
         plan = read_plan(model)
         why = capture.inline_reason(plan, ["layers.0", "layers.1"], model)
-    if float8_all_gather:
-        assert "as a Float8TrainingTensor" in why, why
+    if float8_all_gather == "differing":
+        assert "'attention.wq.weight' in 'layers.1' as a Float8TrainingTensor" in why, why
     else:
         assert why is None, why
+
+
+def test_float8_weight_crosses_the_boundary_as_its_inner_tensors():
+    """Outside, a Float8TrainingTensor weight (what fsdp_post_all_gather built, its gradient going to the
+    all-gather's output through ``_extensions.Attach``) goes in as its float8 data, its scale and a carrier that
+    owns no memory; inside, it is rebuilt with the region's flatten context, and the plain gradient torchao's
+    matmul gives it reaches the all-gather's output unchanged. Another context than the region's: None (the
+    block runs inline)."""
+    pytest.importorskip("torchao.float8", reason="torchao (the test extra) is not installed")
+    from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole, LinearMMConfig
+
+    from fsdp_compile._extensions import Attach
+    from fsdp_compile.capture import boundary
+
+    def weight(config):
+        return Float8TrainingTensor(torch.randn(4, 3).to(torch.float8_e4m3fn), torch.tensor(0.5), torch.float32,
+                                    config, GemmInputRole.WEIGHT)
+
+    full = weight(LinearMMConfig())
+    names, ctx = full.__tensor_flatten__()
+    spec = boundary.SubclassSpec(Float8TrainingTensor, tuple(names), ctx, (4, 3), (3, 1))
+    crossings = boundary.subclass_crossings((spec, None))
+    handle = torch.zeros(4, 3, requires_grad=True)  # the all-gather's output for this weight
+    bias = torch.ones(3)
+    operands = boundary.flattened((Attach.apply(full, handle), bias), (None, None), crossings)
+    data, scale, carrier, plain = operands
+    assert data.dtype == torch.float8_e4m3fn and torch.equal(data.view(torch.uint8), full._data.view(torch.uint8))
+    assert torch.equal(scale, full._scale) and plain is bias
+    assert carrier.shape == (4, 3) and carrier.stride() == (0, 0) and carrier.requires_grad
+    leaves = (data, scale, carrier.detach().requires_grad_(), plain)
+    inside, same = boundary.rebuilt(leaves, (None, None), crossings)
+    assert type(inside) is Float8TrainingTensor and inside.__tensor_flatten__()[1] == ctx and same is plain
+    g = torch.randn(4, 3)
+    inside.backward(g)  # torchao's float8 matmul hands its weight a plain gradient
+    assert torch.equal(leaves[2].grad, g)
+    carrier.backward(g)
+    assert torch.equal(handle.grad, g)
+    other = weight(LinearMMConfig()._replace(output=LinearMMConfig().output._replace(emulate=True)))
+    assert boundary.flattened((Attach.apply(other, handle), bias), (None, None), crossings) is None
 
 
 def test_local_shards_are_to_local_in_one_autograd_node():

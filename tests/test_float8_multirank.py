@@ -40,6 +40,7 @@ CASES = {  # name: (bf16 mixed precision, reshard_after_forward, precompute scal
     "float8-only-modules": (False, True, False, "fsdp_group", True),
 }
 STEPS = 3
+REGIONS_OFF = {"fp32-precompute"}  # also compiled with CompileConfig(regions=False): the differential guard
 
 
 def build(float8_all_gather: bool, bf16: bool, reshard: bool, per_linear: bool):
@@ -90,7 +91,7 @@ def _compare(a: dict, b: dict) -> dict:
     }
 
 
-def run_case(rank: int, bf16: bool, reshard: bool, precompute: bool, bucket: str, per_linear: bool) -> dict:
+def run_case(rank: int, name: str, bf16: bool, reshard: bool, precompute: bool, bucket: str, per_linear: bool) -> dict:
     import fsdp_compile as fc
 
     model = build(True, bf16, reshard, per_linear)
@@ -100,9 +101,15 @@ def run_case(rank: int, bf16: bool, reshard: bool, precompute: bool, bucket: str
     out = {"vs_off": _compare(_train(off, off, STEPS, rank, precompute), ours)}
     on = build(True, bf16, reshard, per_linear)
     try:
-        out["vs_on"] = _compare(_train(on, on, STEPS, rank, precompute), ours)
+        eager = _train(on, on, STEPS, rank, precompute)
+        out["vs_on"] = _compare(eager, ours)
     except RuntimeError as e:  # gloo cannot all-gather float8
         out["vs_on"] = str(e).splitlines()[0]
+    out["regions"] = compiled.regions()
+    if name in REGIONS_OFF:
+        inline = build(True, bf16, reshard, per_linear)
+        out["inline_vs_on"] = _compare(eager, _train(inline, fc.compile(inline, backend="aot_eager", bucket=bucket,
+                                                                         regions=False), STEPS, rank, precompute))
     out["grad_types"] = sorted({type(g).__name__ for g in ours["grads"][-1]})
     out["local_types"] = sorted({type(p.to_local()).__name__ for p in model.parameters()})
     out["dynamo_graphs"] = len(compiled.captured.dynamo)
@@ -123,7 +130,7 @@ def run_case(rank: int, bf16: bool, reshard: bool, precompute: bool, bucket: str
 
 
 def worker(rank: int, world_size: int) -> dict:
-    return {name: run_case(rank, *case) for name, case in CASES.items()}
+    return {name: run_case(rank, name, *case) for name, case in CASES.items()}
 
 
 @pytest.fixture(scope="module")
@@ -143,6 +150,16 @@ def test_bitwise_against_eager_fsdp2_with_float8_all_gather(results, name):
 def test_fp32_bitwise_against_eager_fsdp2_without_float8_all_gather(results, name):
     for r in (rank_results[name] for rank_results in results):
         assert r["vs_off"] == {"losses_equal": True, "grad_diff": 0.0, "param_diff": 0.0}, r["vs_off"]
+
+
+@pytest.mark.parametrize("name", sorted(REGIONS_OFF))
+def test_float8_all_gather_blocks_are_one_region(results, name):
+    """The blocks, whose weights fsdp_post_all_gather rebuilds as Float8TrainingTensors, are one compiled region
+    (each weight enters it as its float8 data and scale: capture/boundary.py), and bitwise against eager FSDP2
+    (test_bitwise_against_eager_fsdp2_with_float8_all_gather); with regions off too."""
+    for r in (rank_results[name] for rank_results in results):
+        assert r["regions"] == [{"blocks": ["layers.0", "layers.1"], "region": True, "why": None}], r["regions"]
+        assert r["inline_vs_on"] == {"losses_equal": True, "grad_diff": 0.0, "param_diff": 0.0}, r["inline_vs_on"]
 
 
 def test_float8_only_modules_run_where_eager_fsdp2_cannot(results):

@@ -27,6 +27,20 @@ gradients in those placements already, so nothing moves. A region that returns a
 (a dict) is traced per block and inlined, as before (``_torch/_invoke_subgraph.py``: Dynamo stamps a reused trace's
 outputs out as plain tensors); so is a block passed in itself (``regions.region_of``), which flattens nothing.
 
+**Tensor subclass parameters.** What an all-gather extension's ``fsdp_post_all_gather`` rebuilds (torchao's
+``Float8TrainingTensor``: float8 data and a scale) cannot be a region operand either. It enters as its inner
+tensors (``__tensor_flatten__``), with a carrier of its gradient, and the region rebuilds it by
+``__tensor_unflatten__`` from a ``SubclassSpec``: the flatten context that ``read_spec`` read off the one
+``fsdp_post_all_gather`` call it makes at compile time, on tensors of the gathered shapes (the subclass itself
+exists only inside the traced step), equal for every block of the kind (``subclass_reason``) and compared with
+the traced subclass's at every call (Dynamo folds it: the context is Python metadata), the block running
+inline where it differs. The subclass's gradient (torchao's float8 matmul gives its weight a plain one) leaves
+the region through the carrier unchanged, to ``_extensions.Attach`` and the reduce-scatter, as inline. A TP
+parameter's DTensor of such a subclass (torchao's float8 x TP) is kept inline (``INLINE_SUBCLASS_PARALLEL``):
+``flattened`` / ``rebuilt`` would take it (its local tensor flattened, rebuilt, then made the DTensor), but
+torchao's float8 TP blocks fail Dynamo's region trace, measured without the float8 all-gather too (their hooks,
+which hold each block's own ``LinearMMConfig``, keep them inline before that).
+
 **Hooks inside a block.** ``parallelize_module`` hooks every Linear it parallelizes (each a lambda around a
 ``functools.partial`` of its style's input/output function, with the layouts and the mesh). The template
 block's trace runs its hooks; that trace serves the other blocks only where their hooks are provably the
@@ -39,6 +53,7 @@ from __future__ import annotations
 
 import functools
 import types
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -47,9 +62,10 @@ from fsdp_compile.capture.forward import data_parallel_grad
 
 
 INLINE_PARALLEL = (
-    "its parameters are DTensors of tensor or expert parallelism and its blocks differ in a plain attribute, so "
-    "each is passed into the region itself, with its DTensors (torch 2.13's invoke_subgraph hands a region's "
-    "DTensors back as plain tensors); only a template region flattens them to their local tensors"
+    "its parameters are DTensors of tensor or expert parallelism (or tensor subclasses an all-gather extension "
+    "rebuilds) and its blocks differ in a plain attribute, so each is passed into the region itself, with them "
+    "(torch 2.13's invoke_subgraph hands a region's DTensors back as plain tensors, and takes no subclass "
+    "operands); only a template region flattens them"
 )
 INLINE_PARALLEL_DIFFERS = (
     "its DTensor parameter {name!r} is laid out differently in {fqn!r} than in {first!r} ({a} against {b}): "
@@ -60,6 +76,19 @@ INLINE_HOOKS = (
     "reuse (hooks are compared by their functions and the values they hold)"
 )
 
+INLINE_SUBCLASS = (
+    "fsdp_post_all_gather rebuilds its parameter {fqn!r} as a {kind}, which does not flatten to plain inner tensors "
+    "(__tensor_flatten__), and torch 2.13's invoke_subgraph takes no tensor subclass operands"
+)
+INLINE_SUBCLASS_PARALLEL = (
+    "fsdp_post_all_gather rebuilds its parameter {fqn!r} as a {kind} inside a DTensor of tensor parallelism; not "
+    "tried as a region: torchao's float8 TP blocks fail Dynamo's region trace on torch 2.13 with or without the "
+    "float8 all-gather ('Expected FakeTensor after unwrapping' on their float8 DTensor activations)"
+)
+INLINE_SUBCLASS_DIFFERS = (
+    "fsdp_post_all_gather rebuilds its parameter {name!r} in {fqn!r} as {a}, in {first!r} as {b}: a region "
+    "rebuilds it from its inner tensors with one flatten context, a constant of its trace"
+)
 INLINE_OWN_FORWARD = (
     "{fqn!r} runs a forward set on it (not its class's: transformers' expert-parallel ep_forward), which a region, "
     "tracing its class's forward once for every block, would skip"
@@ -111,22 +140,152 @@ def _shown(spec) -> str:
     return "a plain tensor" if spec is None else f"{spec.describe()}, shape {tuple(spec.shape)}"
 
 
-def flattened(tensors: tuple, specs: tuple) -> tuple | None:
-    """The region's operands: each DTensor parameter as its local tensor (outside the region); None where one
-    is no DTensor now (something replaced it: the block then runs inline)."""
+def flattened(tensors: tuple, specs: tuple, subclasses: tuple | None = None) -> tuple | None:
+    """The region's operands: each DTensor parameter as its local tensor, each subclass (its local tensor) as
+    its inner tensors and a carrier of its gradient (``SubclassCrossing``), outside the region; None where one
+    is not what the region was made for now (something replaced it, or a subclass's flatten context is not the
+    region's: the block then runs inline)."""
     from torch.distributed.tensor import DTensor
 
-    if any(s is not None and not isinstance(t, DTensor) for t, s in zip(tensors, specs)):
-        return None
-    return tuple(t if s is None else t.to_local() for t, s in zip(tensors, specs))
+    out = []
+    for t, s, sub in zip(tensors, specs, subclasses or (None,) * len(specs)):
+        if s is not None:
+            if not isinstance(t, DTensor):
+                return None
+            t = t.to_local()
+        if sub is not None:
+            # Dynamo folds the comparison (the context is Python metadata of the traced subclass); its method
+            # form, t.__tensor_flatten__(), Dynamo takes for a torch op and refuses
+            if type(t) is not sub.spec.cls or sub.spec.cls.__tensor_flatten__(t)[1] != sub.spec.ctx:
+                return None
+            out += sub.inner.apply(t)
+        else:
+            out.append(t)
+    return tuple(out)
 
 
-def rebuilt(tensors: tuple, specs: tuple) -> tuple:
-    """Inside the region: each local tensor as the DTensor ``_as_dtensor`` made of it, with its backward."""
-    return tuple(
-        t if s is None else _RegionDTensor.apply(t, s.mesh, s.placements, s.dp_dims, s.shape, s.stride)
-        for t, s in zip(tensors, specs)
-    )
+def rebuilt(operands: tuple, specs: tuple, subclasses: tuple | None = None) -> tuple:
+    """Inside the region: ``flattened``'s operands as the block's tensors, each subclass rebuilt from its inner
+    tensors and each local tensor as the DTensor ``_as_dtensor`` made of it, with their backwards."""
+    out, i = [], 0
+    for s, sub in zip(specs, subclasses or (None,) * len(specs)):
+        if sub is None:
+            t, i = operands[i], i + 1
+        else:
+            width = len(sub.spec.names) + 1
+            t, i = sub.rebuild.apply(*operands[i : i + width]), i + width
+        if s is not None:
+            t = _RegionDTensor.apply(t, s.mesh, s.placements, s.dp_dims, s.shape, s.stride)
+        out.append(t)
+    return tuple(out)
+
+
+def width(subclasses: tuple) -> int:
+    """How many operands ``flattened`` makes of the block's tensors."""
+    return sum(1 if sub is None else len(sub.spec.names) + 1 for sub in subclasses)
+
+
+class SubclassSpec(NamedTuple):
+    """What ``fsdp_post_all_gather`` builds for one parameter of a kind's blocks, a constant of their region:
+    ``__tensor_unflatten__``'s class, inner tensor names, context and outer size and stride."""
+
+    cls: type
+    names: tuple[str, ...]
+    ctx: object
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+class SubclassCrossing(NamedTuple):
+    """A subclass parameter across a region's boundary: ``inner`` (outside) hands the region its inner tensors
+    and a carrier, and ``rebuild`` (inside) builds the subclass back from them; the carrier (the parameter's
+    shape and dtype, no memory: stride 0) takes the subclass's gradient out of the region, where ``inner``'s
+    backward hands it to the subclass, whose own backward (``_extensions.Attach``) takes it to the all-gather's.
+    Only pass-throughs: the gradient the reduce-scatter gets is the inline compile's."""
+
+    spec: SubclassSpec
+    inner: type
+    rebuild: type
+
+
+def subclass_specs(plan, fqn: str, names) -> tuple:
+    """Per tensor name of block ``fqn``: the ``SubclassSpec`` of a parameter whose all-gather extension
+    rebuilds it as a subclass that flattens to plain tensors, else None."""
+    exts = {p.fqn: p.extension for p in plan.group(fqn).params}
+    out = []
+    for name in names:
+        e = exts.get(f"{fqn}.{name}")
+        flat = None if e is None else e.unsharded_flatten
+        out.append(None if flat is None else SubclassSpec(*flat, tuple(e.orig_size), tuple(e.contiguous_stride)))
+    return tuple(out)
+
+
+def subclass_reason(plan, fqns: list[str], names) -> str | None:
+    """Why the subclass parameters of blocks ``fqns`` cannot share one region's constants (None: they can)."""
+    for p in (p for f in fqns for p in plan.group(f).params):
+        if p.extension is not None and p.extension.unsharded_kind != "Tensor" and p.extension.unsharded_flatten is None:
+            return INLINE_SUBCLASS.format(fqn=p.fqn, kind=p.extension.unsharded_kind)
+        if p.extension is not None and p.extension.unsharded_kind != "Tensor" and p.parallel is not None:
+            return INLINE_SUBCLASS_PARALLEL.format(fqn=p.fqn, kind=p.extension.unsharded_kind)
+    first = subclass_specs(plan, fqns[0], names)
+    for fqn in fqns[1:]:
+        for name, a, b in zip(names, subclass_specs(plan, fqn, names), first):
+            if not _same(a, b):
+                return INLINE_SUBCLASS_DIFFERS.format(name=name, fqn=fqn, first=fqns[0], a=_subclass_shown(a),
+                                                      b=_subclass_shown(b))
+    return None
+
+
+def _same(a, b) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # a context holding tensors, or whose == is not a bool
+        return a is b
+
+
+def _subclass_shown(spec) -> str:
+    return "a plain tensor" if spec is None else f"a {spec.cls.__name__} of context {spec.ctx!r}"
+
+
+def subclass_crossings(specs: tuple) -> tuple:
+    """``SubclassCrossing`` per ``SubclassSpec`` (None stays None): the functions of one kind's region. Each is
+    its own class, holding its constants, ``allow_in_graph`` as ``_RegionDTensor`` (their outputs are subclasses
+    and inner tensors of one, which AOTAutograd traces through; Dynamo's trace of a Function would not)."""
+    return tuple(None if s is None else SubclassCrossing(s, *_subclass_functions(s)) for s in specs)
+
+
+def _subclass_functions(spec: SubclassSpec) -> tuple[type, type]:
+    class Inner(torch.autograd.Function):
+        @staticmethod
+        def forward(t):
+            carrier = torch.empty_strided(t.shape, (0,) * t.dim(), dtype=t.dtype, device=t.device)
+            return (*(getattr(t, n).view_as(getattr(t, n)) for n in spec.names), carrier)
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            ctx.mark_non_differentiable(*output[:-1])
+            ctx.set_materialize_grads(False)
+
+        @staticmethod
+        def backward(ctx, *grads):
+            return grads[-1]
+
+    class Rebuild(torch.autograd.Function):
+        @staticmethod
+        def forward(*operands):  # Inner's outputs: the inner tensors, then the carrier
+            return spec.cls.__tensor_unflatten__(dict(zip(spec.names, operands)), spec.ctx, spec.size, spec.stride)
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            pass
+
+        @staticmethod
+        def backward(ctx, grad):
+            return (*(None for _ in spec.names), grad)
+
+    for fn in (Inner, Rebuild):
+        torch._dynamo.allow_in_graph(fn)
+    return Inner, Rebuild
 
 
 class _RegionDTensor(torch.autograd.Function):

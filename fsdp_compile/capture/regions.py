@@ -13,7 +13,8 @@ reuse key: traced once. Blocks that differ in some attribute (HF decoder layers 
 pass themselves in instead, without a key: Dynamo traces the first and reuses that trace for the others
 where the guards on what it read hold, else traces them too and keeps one subgraph for identical ones
 (what it would have read differently, it keeps apart). Blocks with hooks inside share a region where their
-hooks are provably the template's, and DTensor parameters enter as their local tensors (``boundary``).
+hooks are provably the template's, DTensor parameters enter as their local tensors, and parameters an all-gather
+extension rebuilds as a tensor subclass as its inner tensors (``boundary``).
 
 This installs the regions on the model, before any trace; ``passes/regions.py`` decides on the traced graphs
 which region calls stay regions.
@@ -29,7 +30,7 @@ import torch.nn as nn
 
 from fsdp_compile._torch import _invoke_subgraph
 from fsdp_compile.capture import boundary
-from fsdp_compile.capture.boundary import INLINE_PARALLEL
+from fsdp_compile.capture.boundary import INLINE_PARALLEL, INLINE_SUBCLASS
 from fsdp_compile.capture.forward import _get
 from fsdp_compile.capture.step import STEP
 from fsdp_compile.plan import ShardingPlan
@@ -88,13 +89,13 @@ def _reuse_key(spec, *operands) -> int:
 _MADE = itertools.count()
 
 
-def _make_region(blocks: list[nn.Module], index: int, specs: tuple = ()):
+def _make_region(blocks: list[nn.Module], index: int, crossing: tuple | None = None):
     from torch.nn.utils.stateless import _reparametrize_module
 
     template = blocks[0]
     names = tuple(n for n, _ in nn.Module.named_parameters(template)) + tuple(n for n, _ in nn.Module.named_buffers(template))
     forward = type(template).forward
-    n = len(names)
+    n = len(names) if crossing is None else boundary.width(crossing[1])
     name = f"fsdp_compile_region_{index}"
     if len({_plain_attributes(b) for b in blocks}) == 1:
         made = f"{name}:{next(_MADE)}"  # what its outputs' layouts are noted by: this region's, not another model's
@@ -105,8 +106,8 @@ def _make_region(blocks: list[nn.Module], index: int, specs: tuple = ()):
                 spec, _, named = spec.partition("#")
                 operands = boundary.activations_rebuilt(operands, named)
             tensors, args, kwargs = _unflatten_call(spec, n, operands)
-            if specs:  # the DTensor parameters, from their local tensors (``boundary``)
-                tensors = boundary.rebuilt(tensors, specs)
+            if crossing is not None:  # DTensor and subclass parameters, from what crossed (``boundary``)
+                tensors = boundary.rebuilt(tensors, *crossing)
             with _reparametrize_module(template, dict(zip(names, tensors))):
                 return boundary.outputs_flattened(forward(template, *args, **kwargs), key)
 
@@ -124,22 +125,13 @@ def _make_region(blocks: list[nn.Module], index: int, specs: tuple = ()):
     return torch.compiler.nested_compile_region(_unique_code(region_of, name)), names, True
 
 
-# Why a kind of repeated block is compiled inline before any trace (``passes/regions.py`` decides the rest
-# on the traced graphs; ``boundary``'s: DTensors and hooks).
-INLINE_SUBCLASS = (
-    "fsdp_post_all_gather rebuilds its parameter {fqn!r} as a {kind}, and torch 2.13's invoke_subgraph takes no "
-    "tensor subclass operands (measured with torchao's float8 weights)"
-)
-
-
 def inline_reason(plan: ShardingPlan, fqns: list[str], model: nn.Module) -> str | None:
     """Why the blocks ``fqns`` (one kind) of ``model`` cannot run as a region at all, or None."""
-    params = [p for f in fqns for p in plan.group(f).params]
     blocks = [model.get_submodule(f) for f in fqns]
     names = _tensor_names(blocks[0])
     # DTensor parameters cross the boundary as local tensors, their layouts constants of the region (``boundary``);
     # spmd_types parameters are plain tensors (their all-reduce over tp runs outside the region)
-    if any(boundary.parallel_specs(plan, fqns[0], names)):
+    if any(boundary.parallel_specs(plan, fqns[0], names)) or any(boundary.subclass_specs(plan, fqns[0], names)):
         if len({_plain_attributes(b) for b in blocks}) > 1:
             return INLINE_PARALLEL
         why = boundary.parallel_reason(plan, fqns, names)
@@ -148,9 +140,10 @@ def inline_reason(plan: ShardingPlan, fqns: list[str], model: nn.Module) -> str 
     why = boundary.hooks_reason(blocks, fqns)
     if why is not None:
         return why
-    for p in params:
-        if p.extension is not None and p.extension.unsharded_kind != "Tensor":
-            return INLINE_SUBCLASS.format(fqn=p.fqn, kind=p.extension.unsharded_kind)
+    # subclass parameters cross as their inner tensors, their flatten contexts constants of the region (``boundary``)
+    why = boundary.subclass_reason(plan, fqns, names)
+    if why is not None:
+        return why
     # a compiled step found the region returning a DTensor: each block traced as itself and inlined
     region = getattr(blocks[0].forward, "fsdp_compile_region", None)
     return getattr(getattr(region, "__marked_compile_region_fn__", None), "fsdp_compile_inline_why", None)
@@ -169,14 +162,23 @@ def install_regions(model: nn.Module, plan: ShardingPlan) -> tuple[list[list[str
         blocks = [modules[f] for f in fqns]
         if inline_reason(plan, fqns, model) is not None:
             continue
-        specs = boundary.parallel_specs(plan, fqns[0], _tensor_names(blocks[0]))
-        region, names, pass_block = _make_region(blocks, index, specs if any(specs) else ())
+        crossing = _crossing(plan, fqns[0], _tensor_names(blocks[0]))
+        region, names, pass_block = _make_region(blocks, index, crossing)
         for block in blocks:
             previous = block.__dict__.get("forward")
             pairs = () if pass_block or block is blocks[0] else _attribute_pairs(block, blocks[0])
-            block.forward = _regional_forward(block, region, names, pass_block, pairs, specs if any(specs) else ())
+            block.forward = _regional_forward(block, region, names, pass_block, pairs, crossing)
             forwards.append((block, previous, block.forward))
     return repeated, forwards
+
+
+def _crossing(plan: ShardingPlan, fqn: str, names) -> tuple | None:
+    """``(ParallelSpec or None, SubclassCrossing or None)`` per tensor of a kind's blocks (``boundary``), or None
+    where every tensor crosses as it is."""
+    specs, subclasses = boundary.parallel_specs(plan, fqn, names), boundary.subclass_specs(plan, fqn, names)
+    if not any(specs) and not any(subclasses):
+        return None
+    return specs, boundary.subclass_crossings(subclasses)
 
 
 def _attribute_pairs(block: nn.Module, template: nn.Module) -> tuple:
@@ -214,11 +216,11 @@ def _holders(block: nn.Module, names) -> tuple:
     return tuple(out)
 
 
-def _regional_forward(block: nn.Module, region, names, pass_block: bool, pairs: tuple = (), specs: tuple = ()):
+def _regional_forward(block: nn.Module, region, names, pass_block: bool, pairs: tuple = (), crossing=None):
     own = getattr(block.forward, "fsdp_compile_own_forward", block.forward)  # the bound method of its class
     made = getattr(region, "fsdp_compile_made", None)
     holders = _holders(block, names)
-    params = len(tuple(nn.Module.named_parameters(block)))  # ``names`` lists them first (``_tensor_names``)
+    buffers = len(names) - len(tuple(nn.Module.named_parameters(block)))  # ``names`` lists them last (``_tensor_names``)
 
     def forward(*args, **kwargs):
         if not (STEP.active and STEP.regions):
@@ -227,15 +229,15 @@ def _regional_forward(block: nn.Module, region, names, pass_block: bool, pairs: 
             return own(*args, **kwargs)
         # the unsharded tensors that traced_forward's call_with put in place, as the region's inputs
         tensors = tuple([held[key] for held, key in holders])
-        if specs:  # DTensor parameters go in as their local tensors (``boundary``)
-            tensors = boundary.flattened(tensors, specs)
+        if crossing is not None:  # DTensor and subclass parameters go in flattened (``boundary``)
+            tensors = boundary.flattened(tensors, *crossing)
             if tensors is None:
                 return own(*args, **kwargs)
         if pass_block:
             return region(block, tensors, *args, **kwargs)
         spec, operands = _flatten_call(tensors, args, kwargs)
         if spec is not None:  # DTensor activations and buffers (torchtitan's RoPE cache) go in as local tensors
-            operands, named = boundary.activations_flattened(operands, params)
+            operands, named = boundary.activations_flattened(operands, len(tensors) - buffers)
             spec = f"{spec}#{named}" if named else spec
         key = boundary.call_key(made, spec, operands)
         return boundary.outputs_rebuilt(region(spec, *operands), key)
