@@ -266,7 +266,7 @@ def _async_all_reduce(param):
 @pytest.mark.parametrize("hook", [_halve, _async_all_reduce])
 def test_post_accumulate_grad_hook_registered_in_forward(hook):
     """A hook registered in forward on an FSDP parameter runs on its gradient in the backward graph (bitwise
-    with tp all-reduces: TPCase(model="hf_qwen3")); one whose body cannot be traced there is refused, named."""
+    with tp all-reduces: test_from_pretrained_distributed_config_bitwise[qwen3-bf16]); one whose body cannot be traced there is refused, named."""
     with fake_process_group(2):
         torch.manual_seed(0)
         m = nn.Sequential(nn.Linear(8, 8), _HookedScale(hook))

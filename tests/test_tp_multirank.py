@@ -19,14 +19,16 @@ CASES = [
     # torchtitan's plan: sequence parallel, loss_parallel; tok_embeddings/output tied again after fully_shard, as
     # torchtitan ties them: two FSDP parameters on one parameter, each gradient reduce-scattered on its own and
     # added into .grad in FSDP2's order (summed before the reduce-scatter, they rounded differently)
-    # inline=True: a third model with regions off, bitwise too (the differential guard of TP's regions)
+    # inline=True: a third model with regions off, bitwise too (the differential guard of TP's regions; in bf16,
+    # where rounding shows first; checkpointed blocks get theirs in parity's Case(model="llama_ac", inline=True))
     TPCase(model="llama", reshard=False, mp="bf16", tied="after", inline=True),
-    TPCase(model="llama", ac=True, ragged=True, planned=True, inline=True),  # checkpoint_wrapper; batch shapes per dp rank; auto buckets
+    TPCase(model="llama", ac=True, ragged=True, planned=True),  # checkpoint_wrapper; batch shapes per dp rank; auto buckets
     TPCase(model="mlp", replicate=2),  # HSDP + TP: (replicate 2, shard 1, tp 2)
     TPCase(model="moe", ragged=True),  # expert parallelism: all-to-all dispatch of data-dependent sizes
     TPCase(model="hf_llama"),  # transformers' LlamaForCausalLM with its own TP plan, applied by transformers
-    # Qwen3's plan: q_norm/k_norm register post-accumulate-grad hooks in forward (an all-reduce of .grad over tp)
-    TPCase(model="hf_qwen3"),
+    # (Qwen3's plan, whose q_norm/k_norm register post-accumulate-grad hooks in forward, trains in bf16 as
+    # from_pretrained loads it: test_hf_distributed_multirank's qwen3-bf16. TPCase(model="hf_qwen3") is that
+    # path in fp32, bitwise too, 2 Dynamo graphs: left out, 56 s of 4 ranks for no other code path)
     # Qwen3-MoE with transformers' expert parallelism (efsdp 2 x ep 2): its all-to-all dispatch branches on the
     # received token count, which layer 0's routing makes 0 on ep rank 1 (the capture takes the general path)
     TPCase(model="hf_qwen3_moe", tp=1, ragged=True),
@@ -48,15 +50,13 @@ def results():
 def test_bitwise_against_eager_fsdp2_tp(results, case):
     for rank, res in enumerate(results):
         r = res[case.name]
-        # hf_qwen3: transformers' tp_forward stores the hooked (gathered) parameter in a dict it checks on the
-        # next forward, so the second step traces again (once: the third reuses that graph)
-        graphs = 2 if case.model == "hf_qwen3" else 1
-        assert r["graph_breaks"] == 0 and r["dynamo_graphs"] == graphs, (rank, r)
+        assert r["graph_breaks"] == 0 and r["dynamo_graphs"] == 1, (rank, r)
         assert r["loss_compiled"] == r["loss_eager"], (rank, r)
         assert max(r["grad_diff"]) == 0.0 and max(r["param_diff"]) == 0.0, (rank, r)
         assert r["grad_placements"] == ["True"]  # gradients are DTensors of their parameters' placements
-        if case.inline:  # TP's blocks one region (capture/boundary.py), and the same steps with regions off
+        if case.model == "llama":  # TP's blocks one region (capture/boundary.py)
             assert r["regions"] == ["region"], (rank, r["regions"])
+        if case.inline:  # the same steps with regions off
             assert r["loss_inline"] == r["loss_eager"], (rank, r)
             assert max(r["inline_grad_diff"]) == 0.0 and max(r["inline_param_diff"]) == 0.0, (rank, r)
     # TP's collectives are in the graphs, on their own dim, beside FSDP's
