@@ -39,6 +39,8 @@ CASES_2 = [
     Case(model="llama_grouped", n_layers=3),  # fully_shard([layers.0, layers.1]) and layers.2
     Case(model="llama_grouped", n_layers=3, bucket="auto", reorder=True, mp="bf16"),
     Case(ignored=True),  # fully_shard(root, ignored_params={norm.weight}): a plain parameter, local gradient
+    # the tied embedding and output weight: one parameter, one gradient (on 2 ranks: a 4-rank case costs 2x)
+    Case(model="llama_tied", mp="bf16"),
     # replicate (FSDP2's DDP): no all-gather, each unit's gradients all-reduced; on the MLP stack in bf16 with
     # auto buckets; and a mixed model (replicate blocks, a fully_shard root)
     Case(ddp="all"),
@@ -48,7 +50,6 @@ CASES_2 = [
 ]
 CASES_4 = [
     Case(model="odd"),
-    Case(model="llama_tied", mp="bf16"),  # the tied embedding and output weight: one parameter, one gradient
     # HSDP on a 2x2 mesh: reduce-scatter over the shard dimension, all-reduce over the replicas
     Case(replicate=2),
     Case(replicate=2, mp="bf16", bucket="auto", reorder=True),
