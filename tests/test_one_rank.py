@@ -286,6 +286,8 @@ def test_one_rank_extensions(gloo_world_1, reshard):
 # --- a 1-wide FSDP dim of a 2-D mesh ---------------------------------------------------------------------
 
 
+# a TP capture (12 s): the fast tier keeps one-rank FSDP (above) and TP (test_tp's per-dim counts)
+@pytest.mark.slow
 def test_one_wide_fsdp_dim_with_tensor_parallel():
     """A (dp 1, tp 2) mesh on the fake process group: FSDP over one rank issues nothing and copies nothing;
     tensor parallelism's collectives stay."""

@@ -58,6 +58,8 @@ def test_explain_counts_collectives_per_mesh_dim(tmp_path):
     assert "comm tp (pg" in page and "comm dp (pg" in page
 
 
+# 14 s: the fast tier keeps TP's per-dim counts (above) and HSDP's (test_capture::test_hsdp_reduces_then_all_reduces)
+@pytest.mark.slow
 def test_hsdp_with_tensor_parallel_groups():
     """HSDP + TP on a (replicate 2, shard 2, tp 2) mesh of 8 ranks: all-gathers and reduce-scatters on the
     shard dim, the gradient all-reduce on the replicate dim, TP's collectives on tp."""
@@ -79,6 +81,8 @@ def test_int_reshard_after_forward_with_tensor_parallel_refused():
             fc.compile(model)
 
 
+# two captures (12 s): the fast tier keeps TP's capture (above) and the schedule's (test_capture, test_passes_*)
+@pytest.mark.slow
 def test_schedule_moves_fsdp_collectives_not_tp_ones():
     """A schedule that prefetches and defers FSDP's collectives (reorder=True, priced for h100-ib at 16 ranks:
     dp 8 x tp 2) leaves TP's where the model issues them: the same order, after the same compute, as in
@@ -112,7 +116,8 @@ def test_schedule_moves_fsdp_collectives_not_tp_ones():
     assert planned == placed
 
 
-@pytest.mark.parametrize("tied", ["after", "before"])
+# "before" (one FSDP parameter, the plain case) in the full suite only; the fast tier keeps "after"
+@pytest.mark.parametrize("tied", ["after", pytest.param("before", marks=pytest.mark.slow)])
 def test_tied_weights_reduced_as_eager(tied):
     """Tied embedding and output weights under TP. Tied again after fully_shard (torchtitan's
     ``Decoder.init_states``), FSDP2 holds two FSDP parameters that its lazy init points at the one
