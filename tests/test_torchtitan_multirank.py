@@ -27,9 +27,8 @@ LLAMA = TitanCase(model="llama3")
 # that fsdp_compile considers for a region (with two layers every block is of its own kind)
 DEEPSEEK = TitanCase(model="deepseek_v3", n_layers=3)
 BITWISE = [
-    # regions on (the default): both blocks one region, complex RoPE inside. Its blocks compiled inline (the
-    # differential guard, regions=False) are FULL_DTENSOR's below, whose blocks return DTensors and stay inline
-    LLAMA,
+    LLAMA,  # regions on (the default): both blocks one region, complex RoPE inside
+    TitanCase(model="llama3", regions=False),  # ... and inline: the differential guard
     DEEPSEEK,  # regions on: the MoE blocks, which update their token counters in place, one region
     TitanCase(model="deepseek_v3", n_layers=3, regions=False),  # ... and inline: the differential guard
     TitanCase(model="llama3", ac="selective"),  # torchtitan's SelectiveAC, its debug config's choice
