@@ -25,7 +25,8 @@ before the region's backward, and the input gradient leaves it in the input's pl
 ``to_local`` do; the blocks we know (torchtitan's, Shard(1) in and out under sequence parallelism) get their
 gradients in those placements already, so nothing moves. A region that returns a DTensor in any other structure
 (a dict) is traced per block and inlined, as before (``_torch/_invoke_subgraph.py``: Dynamo stamps a reused trace's
-outputs out as plain tensors); so is a block passed in itself (``regions.region_of``), which flattens nothing.
+outputs out as plain tensors), as is one from a call that is not flat (``call_key``) or a block passed in itself
+(``regions.region_of``), which flatten nothing.
 
 **Tensor subclass parameters.** What an all-gather extension's ``fsdp_post_all_gather`` rebuilds (torchao's
 ``Float8TrainingTensor``: float8 data and a scale) cannot be a region operand either. It enters as its inner
@@ -379,9 +380,13 @@ def activations_rebuilt(operands: tuple, named: str) -> tuple:
 
 
 def call_key(region: str, spec: str, operands: tuple) -> tuple:
-    """What a region's outputs' layouts are noted by: the region, its call's structure and input layouts (``spec``)
-    and its operands' shapes (a DTensor's global shape follows them), the same inside and outside the region."""
-    return (region, spec, *(tuple(t.shape) if isinstance(t, torch.Tensor) else None for t in operands))
+    """What a region's outputs' layouts are noted by: the region, its call's structure and input layouts (``spec``),
+    its tensors' shapes and dtypes (a DTensor's global shape follows them) and its constants (each its own trace:
+    ``regions._reuse_key``), the same inside and outside the region. None for a call that is not flat (``spec``
+    None): its outputs are left as they are (a DTensor among them: inline, ``_torch/_invoke_subgraph.py``)."""
+    if spec is None:
+        return None
+    return (region, spec, *((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t for t in operands))
 
 
 def outputs_flattened(out, key: tuple):
@@ -390,6 +395,8 @@ def outputs_flattened(out, key: tuple):
     from torch.distributed.tensor import DTensor
 
     items = out if type(out) in (tuple, list) else (out,)
+    if key is None:
+        return out
     if not any(isinstance(t, DTensor) for t in items):
         _note_outputs(key, None)
         return out
@@ -401,7 +408,7 @@ def outputs_flattened(out, key: tuple):
 def outputs_rebuilt(out, key: tuple):
     """Outside the region: each output ``outputs_flattened`` handed back as its local tensor, as the DTensor the
     body returned (``DTensor.from_local``, its backward as there)."""
-    ids = _noted_outputs(key)
+    ids = None if key is None else _noted_outputs(key)
     if ids is None:
         return out
     items = list(out) if type(out) in (tuple, list) else [out]
