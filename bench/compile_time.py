@@ -1,6 +1,6 @@
 """First-step (compile) time against depth, cold and warm: fsdp_compile vs torch.compile.
 
-    python bench/compile_time.py [--depths 2 8 16 32] [--model hf|ours|tp|float8|deepseek] [--quick] [--one-process] [--repeat N]
+    python bench/compile_time.py [--depths 2 8 16 32] [--model hf|ours|tp|float8|deepseek|titan-tp] [--quick] [--one-process] [--repeat N]
 
 For every depth and variant, two fresh processes of 2 gloo ranks each (1 thread per rank) run one
 forward + backward: "cold" with an empty Inductor cache directory, then "warm" with the one the cold run
@@ -16,7 +16,9 @@ The model is a narrow Llama (hidden 64), so compute is negligible: HF transforme
 installed (``--model hf``), else fsdp_compile.models.Llama; ``--model tp`` the latter with torchtitan's TP plan
 on a (dp 2, tp 2) mesh (4 ranks), ``float8`` with torchao's float8 Linears and FSDP2's float8 all-gather,
 ``deepseek`` torchtitan's DeepSeek-V3 debug model (MoE blocks, dim 256), parallelized by torchtitan over
-data parallelism (torchtitan installed; ``tests/torchtitan_cases.py``). Results go to
+data parallelism, ``titan-tp`` its Llama3 debug model parallelized by torchtitan's ``parallelize_llama`` over
+dp 2 x tp 2 (sequence parallelism: blocks that take and return DTensors) (torchtitan installed;
+``tests/torchtitan_cases.py``). Results go to
 bench/results/compile_time[_one_process][_<model>].json, ``hf`` without the suffix. Per variant it also prints the cold first step by
 compile phase (torch's compile timers: Dynamo, AOTAutograd's partitioner, Inductor's lowering, codegen and
 C++ compile; our passes) at every depth, with what one more layer adds to each.
@@ -44,11 +46,12 @@ MODELS = {  # --model: what it builds (``build``)
     "tp": "fsdp_compile.models.Llama with torchtitan's TP plan, dp 2 x tp 2",
     "float8": "fsdp_compile.models.Llama in torchao float8 with FSDP2's float8 all-gather",
     "deepseek": "torchtitan's DeepSeek-V3 debug model (MoE), parallelized by torchtitan",
+    "titan-tp": "torchtitan's Llama3 debug model, parallelized by torchtitan with TP, dp 2 x tp 2",
 }
 
 
 def world(model_kind: str) -> int:
-    return 4 if model_kind == "tp" else W  # tp: dp 2 x tp 2
+    return 4 if model_kind in ("tp", "titan-tp") else W  # tp: dp 2 x tp 2
 
 
 def build(model_kind: str, depth: int, shard: bool):
@@ -60,8 +63,10 @@ def build(model_kind: str, depth: int, shard: bool):
 
     torch.manual_seed(0)
     loss = lambda out: out.float().logsumexp(-1).mean()  # noqa: E731
-    if model_kind == "deepseek":
-        return _deepseek(depth, shard), loss
+    if model_kind in ("deepseek", "titan-tp"):
+        if model_kind == "titan-tp":  # its logits: a DTensor sharded over the vocabulary (loss parallel)
+            loss = lambda out: (getattr(out, "full_tensor", lambda: out)()).float().logsumexp(-1).mean()  # noqa: E731
+        return _titan(model_kind, depth, shard), loss
     mesh = {}
     if model_kind == "hf":
         from transformers import LlamaConfig, LlamaForCausalLM
@@ -94,10 +99,12 @@ def build(model_kind: str, depth: int, shard: bool):
     return model, loss
 
 
-def _deepseek(depth: int, shard: bool):
+def _titan(model_kind: str, depth: int, shard: bool):
     """torchtitan's DeepSeek-V3 debug model (MoE: its first layer dense, the others mixture-of-experts, token
     counters updated in place) at ``depth`` layers, parallelized by torchtitan's own ``parallelize_deepseekv3``
-    over data parallelism alone (``shard``; else unparallelized), as tests/torchtitan_cases.py builds it."""
+    over data parallelism alone, or (``titan-tp``) its Llama3 debug model by its ``parallelize_llama`` over dp 2 x
+    tp 2 (sequence parallelism: the blocks take and return DTensors), where ``shard`` (else unparallelized), as
+    tests/torchtitan_cases.py builds them."""
     import copy
 
     import torch
@@ -108,12 +115,19 @@ def _deepseek(depth: int, shard: bool):
 
     T._on_cpu()
     dist_utils.set_spmd_backend("partial_dtensor")
-    cfg, parallelize = T._model_config("deepseek_v3", 2)
-    cfg.layers = cfg.layers[:1] + [copy.deepcopy(cfg.layers[1]) for _ in range(depth - 1)]
+    tp = model_kind == "titan-tp"
+    cfg, parallelize = T._model_config("llama3" if tp else "deepseek_v3", 2)
+    dense = 0 if tp else 1  # DeepSeek-V3's first layer is dense, the others repeat the second (MoE)
+    cfg.layers = cfg.layers[:dense] + [copy.deepcopy(cfg.layers[dense]) for _ in range(depth - dense)]
+    if shard:
+        dims, parallelism = T._parallel_dims(world(model_kind), tp=2 if tp else 1)
+    if shard and tp:  # what update_from_config does: its Llama3 sharding plan
+        from torchtitan.models.llama3.sharding import set_llama3_sharding_config
+
+        set_llama3_sharding_config(cfg, enable_sp=parallelism.enable_sequence_parallel)
     with torch.device("meta"):
         model = cfg.build()
     if shard:
-        dims, parallelism = T._parallel_dims(world("deepseek"))
         model = parallelize(model, parallel_dims=dims, training=TrainingConfig(local_batch_size=2, seq_len=64),
                             parallelism=parallelism, compile_config=CompileConfig(), ac_config=None, dump_folder="")
     model.to_empty(device="cpu")
@@ -205,7 +219,7 @@ def main() -> None:
     ap.add_argument("--variant", help=argparse.SUPPRESS)
     ap.add_argument("--depth", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.model == "deepseek":
+    if args.model in ("deepseek", "titan-tp"):
         sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "tests"))
     if args.model is None:
         try:
