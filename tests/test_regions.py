@@ -549,21 +549,21 @@ def test_tp_hooks_compared_per_kind(gloo_world_1):
 
     from torch.distributed.tensor import Shard
 
-    from fsdp_compile.capture import boundary
+    from fsdp_compile.capture import block_hooks
 
     blocks, mesh = _tp_blocks(3)
     fqns = ["b.0", "b.1", "b.2"]
-    assert boundary.hooks_reason(blocks, fqns) is None
+    assert block_hooks.hooks_reason(blocks, fqns) is None
     for b, dim in zip(blocks, (1, 1, 0)):  # equal partials of one function, but b.2's holds another placement
         b[0].register_forward_pre_hook(functools.partial(_layout_hook, Shard(dim)))
-    assert "'b.2' (0._forward_pre_hooks)" in boundary.hooks_reason(blocks, fqns)
+    assert "'b.2' (0._forward_pre_hooks)" in block_hooks.hooks_reason(blocks, fqns)
     blocks[1][2].register_forward_hook(lambda *a: None)
-    assert "'b.1' (2._forward_hooks)" in boundary.hooks_reason(blocks, fqns)
+    assert "'b.1' (2._forward_hooks)" in block_hooks.hooks_reason(blocks, fqns)
     # a block's own hooks run around the region call and may change what it reads (transformers' EP experts)
     blocks[2].register_forward_pre_hook(lambda *a: None)
-    assert "'b.2' has hooks of its own" in boundary.hooks_reason(blocks, fqns)
+    assert "'b.2' has hooks of its own" in block_hooks.hooks_reason(blocks, fqns)
     blocks[0].forward = functools.partial(type(blocks[0]).forward, blocks[0])  # as transformers' EP sets ep_forward
-    assert "'b.0' runs a forward set on it" in boundary.hooks_reason(blocks, fqns)
+    assert "'b.0' runs a forward set on it" in block_hooks.hooks_reason(blocks, fqns)
 
 
 def test_dtensor_crosses_the_boundary_as_its_local_tensor(gloo_world_1):

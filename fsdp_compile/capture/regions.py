@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 
 from fsdp_compile._torch import _invoke_subgraph
-from fsdp_compile.capture import boundary
+from fsdp_compile.capture import block_hooks, boundary
 from fsdp_compile.capture.boundary import INLINE_PARALLEL, INLINE_SUBCLASS
 from fsdp_compile.capture.forward import _get
 from fsdp_compile.capture.step import STEP
@@ -137,7 +137,7 @@ def inline_reason(plan: ShardingPlan, fqns: list[str], model: nn.Module) -> str 
         why = boundary.parallel_reason(plan, fqns, names)
         if why is not None:
             return why
-    why = boundary.hooks_reason(blocks, fqns)
+    why = block_hooks.hooks_reason(blocks, fqns)
     if why is not None:
         return why
     # subclass parameters cross as their inner tensors, their flatten contexts constants of the region (``boundary``)
