@@ -354,12 +354,14 @@ def activations_rebuilt(operands: tuple, named: str) -> tuple:
     return tuple(out)
 
 
-def call_key(region: str, spec: str, operands: tuple) -> tuple:
+def call_key(region: str, spec: str, operands: tuple, dtensors: bool) -> tuple:
     """What a region's outputs' layouts are noted by: the region, its call's structure and input layouts (``spec``),
     its tensors' shapes and dtypes (a DTensor's global shape follows them) and its constants (each its own trace:
     ``regions._reuse_key``), the same inside and outside the region. None for a call that is not flat (``spec``
-    None): its outputs are left as they are (a DTensor among them: inline, ``_torch/_invoke_subgraph.py``)."""
-    if spec is None:
+    None) or takes no DTensor (``dtensors``: no DTensor parameter or activation): its outputs are left as they are
+    (a DTensor among them: inline, ``_torch/_invoke_subgraph.py``). Only a DTensor call pays for the note: its key
+    holds the shapes as constants, which a trace with dynamic shapes cannot give (Dynamo refuses a SymInt there)."""
+    if spec is None or not dtensors:
         return None
     return (region, spec, *((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t for t in operands))
 
