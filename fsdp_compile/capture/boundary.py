@@ -148,8 +148,7 @@ def rebuilt(operands: tuple, specs: tuple, subclasses: tuple | None = None) -> t
         if sub is None:
             t, i = operands[i], i + 1
         else:
-            width = len(sub.spec.names) + 1
-            t, i = sub.rebuild.apply(*operands[i : i + width]), i + width
+            t, i = sub.rebuild.apply(*operands[i : i + _width(sub)]), i + _width(sub)
         if s is not None:
             t = _RegionDTensor.apply(t, s.mesh, s.placements, s.dp_dims, s.shape, s.stride)
         out.append(t)
@@ -158,7 +157,12 @@ def rebuilt(operands: tuple, specs: tuple, subclasses: tuple | None = None) -> t
 
 def width(subclasses: tuple) -> int:
     """How many operands ``flattened`` makes of the block's tensors."""
-    return sum(1 if sub is None else len(sub.spec.names) + 1 for sub in subclasses)
+    return sum(_width(sub) for sub in subclasses)
+
+
+def _width(sub) -> int:
+    """Operands of one tensor across the boundary: itself, or a subclass's inner tensors and its carrier."""
+    return 1 if sub is None else len(sub.spec.names) + 1
 
 
 class SubclassSpec(NamedTuple):
