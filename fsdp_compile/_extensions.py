@@ -199,6 +199,7 @@ class LocalShards(torch.autograd.Function):
     def backward(ctx, *grads):
         from torch.distributed.tensor import DTensor
 
+        _wait_for_host_copies(grads)
         out = []
         for grad, spec in zip(grads, ctx.specs):
             if grad is None:
@@ -226,6 +227,15 @@ class LocalShards(torch.autograd.Function):
                     param.grad.add_(grad)
             out[indices[0]] = grads[-1]
         return (None, *out)
+
+
+def _wait_for_host_copies(grads) -> None:
+    """``CPUOffloadPolicy(pin_memory=True)``: the backward graph copied the shard gradients to pinned host
+    memory without blocking (``ops.to_host``). The host waits for those copies here, before a gradient reaches
+    ``.grad``, an accumulation, a hook or the optimizer, as FSDP2's ``finalize_backward`` synchronizes its
+    offload events. A pinned gradient is the sign: a blocking copy's (``pin_memory=False``) is pageable."""
+    if torch.accelerator.is_available() and any(g is not None and g.is_cpu and g.is_pinned() for g in grads):
+        torch.accelerator.synchronize()
 
 
 def _shared(params) -> list[tuple[Tensor, list[int]]]:

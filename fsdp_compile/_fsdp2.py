@@ -265,6 +265,7 @@ class Layout:
 
     device: torch.device
     offload_to_cpu: bool  # offload_policy=CPUOffloadPolicy()
+    offload_pinned: bool  # CPUOffloadPolicy(pin_memory=True): host shards pinned, gradients copied back asynchronously
     spmd_mesh: bool  # fully_shard(..., dp_mesh_dims=...): parameters are DTensors on the full SPMD mesh
     mesh_kind: str  # mesh_kind: "fsdp" | "hsdp" | "ddp", or the class name of a mesh info fsdp_compile does not know
     replicate_only: bool  # no shard dim: DDPMeshInfo (replicate, or dp_mesh_dims=...(replicate=...) only), or unknown
@@ -347,6 +348,7 @@ def layout(pg) -> Layout:
     return Layout(
         device=_get(pg, "device"),
         offload_to_cpu=isinstance(_get(pg, "offload_policy"), CPUOffloadPolicy),
+        offload_pinned=bool(getattr(_get(pg, "offload_policy"), "pin_memory", False)),
         spmd_mesh=spmd,
         mesh_kind=kind,
         replicate_only=replicate_only,

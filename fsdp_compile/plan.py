@@ -67,6 +67,7 @@ class BucketKey(NamedTuple):
     # "sync" | "no_sync" | "no_all_reduce" (HSDP): set only while it differs between modules (bucket="auto")
     gradient_sync: str | None = None
     offload: str | None = None  # CPUOffloadPolicy on an accelerator (GroupPlan.offload)
+    offload_pinned: bool = False  # GroupPlan.offload_pinned
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +101,7 @@ class GroupPlan:
     # which its forward uses before them; the rest (a final norm, an output head) it uses after them
     leading: tuple[str, ...] = ()
     offload: str | None = None  # CPUOffloadPolicy on an accelerator: its device type (_fsdp2.offload_device)
+    offload_pinned: bool = False  # with offload, CPUOffloadPolicy(pin_memory=True): gradients copied back non-blocking
 
     @property
     def unsharded_bytes(self) -> int:
@@ -125,7 +127,8 @@ class GroupPlan:
         return BucketKey(self.group_name, self.world_size, self.reshard_after_forward, self.params[0].orig_dtype,
                          self.param_dtype, self.reduce_dtype, self.reduce_op, self.pre_factor, self.post_factor,
                          self.replicate_group_name, self.all_reduce_op, self.post_forward_group_name,
-                         self.unshard_in_backward, offload=self.offload)
+                         self.unshard_in_backward, offload=self.offload,
+                         offload_pinned=self.offload_pinned)
 
 
 def _padded_numel(shape: tuple[int, ...], world_size: int) -> int:
@@ -148,6 +151,7 @@ class ShardingPlan:
              "pre_factor": g.pre_factor, "post_factor": g.post_factor, "replicate_size": g.replicate_size,
              "all_reduce_op": g.all_reduce_op, "post_forward_size": g.post_forward_size,
              "unshard_in_backward": g.unshard_in_backward, "offload": g.offload,
+             "offload_pinned": g.offload_pinned,
              "forward_prefetch": list(g.forward_prefetch), "backward_prefetch": list(g.backward_prefetch),
              "leading": list(g.leading),
              "params": [{"fqn": p.fqn, "shape": list(p.full_shape), "dtype": str(p.orig_dtype),
@@ -478,5 +482,6 @@ def _read_group(fqn: str, layout: _fsdp2.Layout, settings: Settings, canonical: 
         all_reduce_op=all_reduce_op,
         mesh_dims=(layout.shard_dim_name or layout.replicate_dim_name or "dp", layout.replicate_dim_name or "replicate"),
         offload=offload,
+        offload_pinned=offload is not None and layout.offload_pinned,
         **post_forward,
     )

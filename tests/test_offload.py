@@ -20,13 +20,16 @@ COPY = torch.ops.aten._to_copy.default
 FSDP_OPS = torch.ops.fsdp_compile
 
 
-def captured(copies: bool):
-    """Forward and backward graphs of a 2-layer Llama offloaded to the host, bf16 compute, on 4 fake ranks."""
+def captured(copies: bool, pinned: bool = False):
+    """Forward and backward graphs of a 2-layer Llama offloaded to the host, bf16 compute, on 4 fake ranks.
+    ``pinned``: the graphs of ``CPUOffloadPolicy(pin_memory=True)``, which a machine without an accelerator
+    cannot shard with (pinning needs one): the policy says ``pin_memory=True`` only after ``fully_shard``."""
     with fake_process_group(4), host_copies() if copies else contextlib.nullcontext():
         torch.manual_seed(0)
         m = Llama(LlamaArgs(n_layers=2))
-        shard(m, m.layers, offload_policy=CPUOffloadPolicy(pin_memory=False),
-              mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+        policy = CPUOffloadPolicy(pin_memory=False)
+        shard(m, m.layers, offload_policy=policy, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+        policy.pin_memory = pinned
         x = torch.randint(0, 256, (2, 16))
         _, graphs = explain_with_graphs(m, (x,), {}, fc.CompileConfig(backend="aot_eager"))
     return graphs.forward[0], graphs.backward[0], sum(1 for _ in m.parameters())
@@ -62,14 +65,18 @@ def test_host_shards_are_copied_to_the_device_right_before_each_copy_in(graphs):
     assert len(device_copies(forward)) == n_params
 
 
-def test_gradients_are_copied_to_the_host_right_after_each_reduce_scatter(graphs):
-    _, backward, n_params = graphs
+@pytest.mark.parametrize("pinned", [False, True], ids=["pageable", "pinned"])
+def test_gradients_are_copied_to_the_host_right_after_each_reduce_scatter(graphs, pinned):
+    """Blocking, as FSDP2 copies them into pageable memory; with ``pin_memory=True`` non-blocking, as FSDP2
+    copies them into pinned memory (``LocalShards``' backward waits for them: ``test_cuda.py``'s pinned cases)."""
+    _, backward, n_params = captured(copies=True, pinned=True) if pinned else graphs
+    expected = {"device": torch.device("cpu"), **({"non_blocking": True} if pinned else {})}
     outputs = set(backward.graph.output_node().args[0])
     to_host = []
     for copy_out in _calls(backward, FSDP_OPS.reduce_scatter_copy_out.default):
-        for item in copy_out.users:  # each shard gradient, in the parameter's dtype, then its blocking copy
+        for item in copy_out.users:  # each shard gradient, in the parameter's dtype, then its copy
             (copy,) = item.users
-            assert copy.target is COPY and copy.kwargs == {"device": torch.device("cpu")}, copy.format_node()
+            assert copy.target is COPY and copy.kwargs == expected, copy.format_node()
             assert copy in outputs and list(copy.users) == [backward.graph.output_node()]
             to_host.append(copy)
     assert len(to_host) == n_params

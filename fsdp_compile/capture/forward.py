@@ -221,7 +221,8 @@ def unshard_args(plan: ShardingPlan, unit: Unit, index: int, kernels: str, layou
     group = plan.group(unit.members[0])
     payloads = () if layouts is None else tuple(0 if x is None else x.n_inputs for x in layouts)
     return UnshardArgs(
-        comm=Comm(unit.members, index, group.group_name, group.world_size, kernels, group.offload),
+        comm=Comm(unit.members, index, group.group_name, group.world_size, kernels, group.offload,
+                  group.offload_pinned),
         dim0s=tuple(p.full_shape[0] for p in unit_params(plan, unit)),
         param_dtype=group.param_dtype,
         reduction=Reduction(group.reduce_dtype, group.reduce_op, group.pre_factor, group.post_factor,
