@@ -678,3 +678,34 @@ def test_blocks_taking_and_returning_dtensors_share_a_region(gloo_world_1):
             assert torch.equal(p.grad.to_local(), q.grad.to_local())
     assert compiled[0].regions() == [{"blocks": ["blocks.0", "blocks.1", "blocks.2"], "region": True, "why": None}]
     assert _region_calls(compiled[0].captured.dynamo[0]) == ["subgraph_0"] * 3  # one body, stamped out
+
+
+@pytest.mark.parametrize("again", [1, 2])
+def test_dtensor_blocks_under_dynamic_shapes_run_inline(gloo_world_1, again):
+    """A new batch size recompiles with dynamic shapes (automatic dynamic), where a DTensor layout's shape is no
+    constant (``boundary.symbolic_dtensor_call``): the first trace keeps its region, the dynamic one runs the
+    blocks inline, and every step equals eager FSDP2's (before, Dynamo refused the SymInt: a hard error). Run twice
+    in one process, on a new process group each time: the second compile interns its own layouts (before, it was
+    handed the first one's mesh, for which Dynamo had no source: "NameError: name 'sub_layout_0' is not defined")."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        m = _Residual(mesh)
+        for b in m.blocks:
+            fully_shard(b, mesh=mesh["dp"])
+        models.append(fully_shard(m, mesh=mesh["dp"]))
+    compiled = fc.compile(models[1], backend="aot_eager")
+    for n in (4, 6, 9):
+        x = torch.randn(n, 8)
+        losses = [f(x).pow(2).sum() for f in (models[0], compiled)]
+        for loss in losses:
+            loss.backward()
+        assert torch.equal(losses[0], losses[1]), n
+    for p, q in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.equal(p.grad.to_local(), q.grad.to_local())
+    static, dynamic = compiled.captured.dynamo
+    assert _region_calls(static) == ["subgraph_0"] * 3 and _region_calls(dynamic) == []

@@ -304,7 +304,11 @@ _OUTPUTS: dict = {}  # (region, call key) -> per output: a layout id, or None (a
 @torch._dynamo.assume_constant_result
 def _layout_id(mesh, placements, shape, stride) -> int:
     mesh = getattr(mesh, "real_obj", mesh)  # Dynamo hands a mesh over as a FakeScriptObject, new at every call
-    key = (mesh_key(mesh), tuple(placements), tuple(shape), tuple(stride))
+    # per compile: the mesh ``_layout`` hands back must be one this trace has a source for (its first block's).
+    # Another compile's (a second model, or this one's before destroy_process_group) is new to Dynamo: a region
+    # reused for the next block could not find it ("NameError: name 'sub_layout_0' is not defined")
+    compile_id = torch._guards.CompileContext.current_compile_id()
+    key = (compile_id, mesh_key(mesh), tuple(placements), tuple(shape), tuple(stride))
     if key not in _LAYOUT_IDS:
         _LAYOUT_IDS[key] = len(_LAYOUTS)
         _LAYOUTS.append((mesh, tuple(placements), tuple(shape), tuple(stride)))
@@ -329,6 +333,27 @@ def _noted_outputs(key: tuple):
 
 def _id_of(t) -> int:
     return _layout_id(t.device_mesh, t.placements, tuple(t.shape), t.stride())
+
+
+def symbolic_dtensor_call(operands: tuple, dtensors: bool) -> bool:
+    """Whether a call that takes DTensors (``dtensors``: DTensor parameters; or a DTensor among ``operands``) is
+    traced with dynamic shapes (after an automatic-dynamic recompile, say): its layouts and the note of its outputs
+    are keyed by shapes, which must be constants of the trace (Dynamo refuses a SymInt given to
+    ``assume_constant_result``), so such a call runs inline. Traced code cannot tell a SymInt from an int (Dynamo
+    answers ``isinstance(s, torch.SymInt)`` False, ``isinstance(s, int)`` True), so the whole trace is asked."""
+    from torch.distributed.tensor import DTensor
+
+    if not (dtensors or any(isinstance(t, DTensor) for t in operands)):
+        return False
+    return _dynamic_trace()
+
+
+@torch._dynamo.assume_constant_result
+def _dynamic_trace() -> bool:
+    """Whether the trace under way has a symbolic size (a backed symbol in its shape environment)."""
+    ctx = torch._guards.TracingContext.try_get()
+    env = getattr(getattr(ctx, "fake_mode", None), "shape_env", None)
+    return bool(env is not None and env.var_to_val)
 
 
 def activations_flattened(operands: tuple, first: int) -> tuple[tuple, str]:

@@ -238,6 +238,8 @@ def _regional_forward(block: nn.Module, region, names, pass_block: bool, pairs: 
         if pass_block:
             return region(block, tensors, *args, **kwargs)
         spec, operands = _flatten_call(tensors, args, kwargs)
+        if (dtensors or spec is not None) and boundary.symbolic_dtensor_call(operands, dtensors):
+            return own(*args, **kwargs)  # dynamic shapes: a layout's shape cannot be a constant of the region
         if spec is not None:  # DTensor activations and buffers (torchtitan's RoPE cache) go in as local tensors
             operands, named = boundary.activations_flattened(operands, len(tensors) - buffers)
             spec = f"{spec}#{named}" if named else spec
