@@ -652,21 +652,28 @@ class _Residual(nn.Module):
         return x.to_local()
 
 
-def test_blocks_taking_and_returning_dtensors_share_a_region(gloo_world_1):
-    """DTensor activations cross a region's boundary as their local tensors, in and out, their layouts constants
-    of the region (``capture/boundary.py``): the blocks are one region, and the step equals eager FSDP2's and the
-    inline compile's."""
+def _residual_models(n: int) -> list:
+    """``n`` alike ``_Residual`` models, same seed, blocks and root sharded with torch's fully_shard on a 1 x 1
+    (dp, tp) mesh."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
     models = []
-    for _ in range(3):
+    for _ in range(n):
         torch.manual_seed(0)
         m = _Residual(mesh)
         for b in m.blocks:
             fully_shard(b, mesh=mesh["dp"])
         models.append(fully_shard(m, mesh=mesh["dp"]))
+    return models
+
+
+def test_blocks_taking_and_returning_dtensors_share_a_region(gloo_world_1):
+    """DTensor activations cross a region's boundary as their local tensors, in and out, their layouts constants
+    of the region (``capture/boundary.py``): the blocks are one region, and the step equals eager FSDP2's and the
+    inline compile's."""
+    models = _residual_models(3)
     compiled = [fc.compile(m, backend="aot_eager", regions=r) for m, r in zip(models[1:], (True, False))]
     x = torch.randn(4, 8)
     losses = [f(x).pow(2).sum() for f in (models[0], *compiled)]
@@ -687,17 +694,7 @@ def test_dtensor_blocks_under_dynamic_shapes_run_inline(gloo_world_1, again):
     blocks inline, and every step equals eager FSDP2's (before, Dynamo refused the SymInt: a hard error). Run twice
     in one process, on a new process group each time: the second compile interns its own layouts (before, it was
     handed the first one's mesh, for which Dynamo had no source: "NameError: name 'sub_layout_0' is not defined")."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
-    models = []
-    for _ in range(2):
-        torch.manual_seed(0)
-        m = _Residual(mesh)
-        for b in m.blocks:
-            fully_shard(b, mesh=mesh["dp"])
-        models.append(fully_shard(m, mesh=mesh["dp"]))
+    models = _residual_models(2)
     compiled = fc.compile(models[1], backend="aot_eager")
     for n in (4, 6, 9):
         x = torch.randn(n, 8)
