@@ -11,7 +11,8 @@
 #                                                                       -> bench/results/gpu_kernels.json
 #   3. bench/compiled_vs_eager.py on a 0.95B Llama (bf16 mixed precision, 2 x 2048 tokens per rank):
 #      step time, peak memory and first-step (compile) time of eager FSDP2, torch.compile, fc, fc with
-#      CUDA graphs and the compute-only bound, on 1 GPU and, with 8 or more, on 8 (torchrun)
+#      CUDA graphs, the compute-only bound and torchtitan's SimpleFSDP (where torchtitan imports: carry it,
+#      with spmd_types, tyro and docstring_parser, on PYTHONPATH), on 1 GPU and, with 8 or more, on 8 (torchrun)
 #                                                          -> bench/results/gpu_step_llama-1b_w{1,8}.json
 #      and with CPUOffloadPolicy(pin_memory=True), eager and fc on 1 GPU, fewer steps (issue 50's target: fc
 #      within 1.3x eager)                                   -> bench/results/gpu_step_llama-1b_offload_w1.json
@@ -37,7 +38,7 @@ while [ $# -gt 0 ]; do
         --quick) QUICK=1 ;;
         --no-traces) TRACES=0 ;;
         --parts) PARTS=${2:?--parts needs a list, e.g. --parts tests,step}; shift ;;
-        -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
         *) echo "bench/gpu.sh: unknown argument '$1' (usage: bash bench/gpu.sh [--quick] [--parts LIST] [--no-traces])" >&2; exit 2 ;;
     esac
     shift
@@ -122,7 +123,7 @@ want kernels && run "bench/kernels.py --device cuda" "$RESULTS/gpu_kernels.log" 
     "$PYTHON" bench/kernels.py --device cuda --out "$RESULTS/gpu_kernels.json" ${KERNEL_ARGS[@]+"${KERNEL_ARGS[@]}"}
 
 # 3. Step time: one GPU, then eight (one node) where there are eight.
-VARIANTS=(torch.compile fc fc:cudagraphs compute-only)  # eager always runs first
+VARIANTS=(torch.compile fc fc:cudagraphs compute-only simplefsdp)  # eager always runs first; simplefsdp where torchtitan imports
 STEP_ARGS=(--device cuda --model llama-1b --mp bf16 --batch 2 --variants "${VARIANTS[@]}" --out "$RESULTS")
 MODEL=llama-1b
 if [ "$QUICK" = 1 ]; then
