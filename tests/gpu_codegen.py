@@ -33,7 +33,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 MATMULS = ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm")
-CPU_CODE = re.compile(r"empty_strided_cpu\(|cpp_fused_\w+\(|_for_cpu\b|device\(type='cpu'|device='cpu'")
+CPU_CODE = re.compile(r"empty_strided_cpu(?:_pinned)?\(|cpp_fused_\w+\(|_for_cpu\b|device\(type='cpu'|device='cpu'")
 
 
 def _tool(name: str) -> str:
@@ -128,7 +128,7 @@ def kernels(arch: int) -> dict:
 # graphs
 
 
-def build(model: str, offload: bool = False):
+def build(model: str, offload: str | None = None):
     import torch
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
@@ -151,10 +151,13 @@ def build(model: str, offload: bool = False):
         blocks = m.model.layers
         ids = torch.randint(0, 512, (2, 32))
         args, kwargs = (), {"input_ids": ids, "labels": ids}
+    # offload "pinned": the policy says pin_memory=True after fully_shard, which cannot pin without a GPU
     policy = {"offload_policy": CPUOffloadPolicy(pin_memory=False)} if offload else {}
     for block in blocks:
         fully_shard(block, **policy)
     fully_shard(m, **policy)
+    if offload == "pinned":
+        policy["offload_policy"].pin_memory = True
     return m, args, kwargs
 
 
@@ -222,13 +225,13 @@ def offload_copies():
 
 
 def _host_copies(gm) -> tuple[list, list]:
-    """CPU offload's copies in a graph captured under ``offload_copies``: (to the device, non-blocking as FSDP2's;
-    to the host, blocking)."""
+    """CPU offload's copies in a graph captured under ``offload_copies``: (to the device, each of a host shard,
+    a graph input; to the host, each of a gradient). Both are cpu to cpu there, and both non-blocking with
+    ``pin_memory=True``, so the input tells them apart."""
     import torch
 
     puts = gm.graph.find_nodes(op="call_function", target=torch.ops.prims.device_put.default)
-    blocking = {n: (n.args[2] if len(n.args) > 2 else n.kwargs.get("non_blocking", False)) for n in puts}
-    return [n for n in puts if blocking[n]], [n for n in puts if not blocking[n]]
+    return [n for n in puts if n.args[0].op == "placeholder"], [n for n in puts if n.args[0].op != "placeholder"]
 
 
 def _retarget(gm) -> int:
@@ -271,16 +274,21 @@ def _propagate(gm, inputs, mode) -> None:
 
 def wrapper_host_copies(code: str) -> dict:
     """CPU offload's copies in a generated CUDA wrapper: host-to-device (``bufN.copy_(primals_K, True)``, into a
-    cuda buffer) and device-to-host (``copy_(bufM, False)`` into an ``empty_strided_cpu`` buffer), and where
+    cuda buffer) and device-to-host (``copy_(bufM, False)`` into an ``empty_strided_cpu`` buffer; with
+    ``pin_memory=True`` ``copy_(bufM, True)`` into an ``empty_strided_cpu_pinned`` one), and where
     they go: every H2D buffer into a copy-in (the all-gather's input), every D2H source an output of a
     reduce-scatter copy-out (a shard gradient)."""
     to_device = dict(re.findall(r"(buf\d+)\.copy_\((primals_\d+), True\)", code))
-    cpu = set(re.findall(r"(buf\d+) = empty_strided_cpu\(", code))
-    to_host = {dst: src for dst, src in re.findall(r"(buf\d+)\.copy_\((buf\d+), False\)", code) if dst in cpu}
+    cpu = set(re.findall(r"(buf\d+) = empty_strided_cpu(?:_pinned)?\(", code))
+    d2h = [(dst, src, nb == "True") for dst, src, nb in re.findall(r"(buf\d+)\.copy_\((buf\d+), (False|True)\)", code)
+           if dst in cpu]
+    to_host = {dst: src for dst, src, _ in d2h}
     copy_ins = [re.findall(r"buf\d+", args) for args in re.findall(r"fsdp_compile\.all_gather_copy_in\.default\(\[([^\]]*)\]", code)]
     outs = set(re.findall(r"(buf\d+) = torch\.ops\.fsdp_compile\.reduce_scatter_copy_out\.default\(", code))
     items = {item for item, whole in re.findall(r"(buf\d+) = (buf\d+)\[\d+\]", code) if whole in outs}
     return {"to_device": len(to_device), "to_host": len(to_host), "cpu_buffers": len(cpu),
+            "to_host_non_blocking": sum(nb for _, _, nb in d2h),
+            "pinned_buffers": len(re.findall(r"buf\d+ = empty_strided_cpu_pinned\(", code)),
             "to_device_into_copy_in": sum(b in to_device for args in copy_ins for b in args),
             "copy_in_inputs": sum(len(args) for args in copy_ins),
             "to_host_of_copy_out": sum(src in items for src in to_host.values())}
@@ -309,7 +317,7 @@ def codegen_cuda(gm, is_backward: bool) -> str:
         return "\n".join(get_code(lambda: compile_fx_inner(gm, inputs, is_backward=is_backward)))
 
 
-def graphs(model: str, kernels_mode: str, out_dir: str, offload: bool = False) -> dict:
+def graphs(model: str, kernels_mode: str, out_dir: str, offload: str | None = None) -> dict:
     import torch
     import torch.distributed as dist
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -396,7 +404,8 @@ def main(argv=None) -> None:
     g.add_argument("--model", choices=("tiny", "hf-llama"), default="tiny")
     g.add_argument("--kernels", choices=("torch", "triton"), default="torch")
     g.add_argument("--out", required=True)
-    g.add_argument("--offload", action="store_true", help="CPUOffloadPolicy on every fully_shard call")
+    g.add_argument("--offload", nargs="?", const="pageable", choices=("pageable", "pinned"), default=None,
+                   help="CPUOffloadPolicy on every fully_shard call (pinned: pin_memory=True)")
     c = sub.add_parser("compile")
     c.add_argument("paths", nargs="+")
     a = ap.parse_args(argv)

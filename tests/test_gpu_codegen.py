@@ -104,13 +104,15 @@ def test_wrapper_check_flags_a_wait_moved_past_a_use(tmp_path):
     assert problems and all("used before its wait" in p for p in problems), problems
 
 
-def test_cpu_offload_copies_codegen_for_h100(tmp_path):
+@pytest.mark.parametrize("pin", ["pageable", "pinned"])
+def test_cpu_offload_copies_codegen_for_h100(tmp_path, pin):
     """CPUOffloadPolicy (tiny Llama, 39 parameters, 4 blocks and a root that stays unsharded): the graphs built
     as on an accelerator (gpu_codegen.offload_copies), generated for an H100 with the sharded parameters on the
     host. Each shard copied to the GPU (non-blocking) straight into its all-gather's copy-in, in the forward and
-    again in the backward's re-gathers (the blocks'); each shard gradient copied back to a host buffer (blocking)
-    from its reduce-scatter's copy-out; nothing else computed on the CPU."""
-    r = step(tmp_path, "--block-numpy", "graphs", "--model", "tiny", "--kernels", "torch", "--offload",
+    again in the backward's re-gathers (the blocks'); each shard gradient copied back to a host buffer from its
+    reduce-scatter's copy-out, blocking into pageable memory, or with ``pin_memory=True`` non-blocking into
+    pinned memory (``ops.to_host``); nothing else computed on the CPU."""
+    r = step(tmp_path, "--block-numpy", "graphs", "--model", "tiny", "--kernels", "torch", "--offload", pin,
              "--out", str(tmp_path / "code"))
     forward, backward = r["graphs"]
     assert forward["host_copies"] == {"to_device": 39, "to_host": 0}, forward["host_copies"]
@@ -120,6 +122,9 @@ def test_cpu_offload_copies_codegen_for_h100(tmp_path):
         w = g["wrapper_host_copies"]
         assert w["to_device"] == w["to_device_into_copy_in"] == w["copy_in_inputs"] == g["host_copies"]["to_device"], (where, w)
         assert w["to_host"] == w["to_host_of_copy_out"] == w["cpu_buffers"] == g["host_copies"]["to_host"], (where, w)
-        assert set(g["cpu_code"]) <= {"device='cpu'", "empty_strided_cpu("}, where  # the host buffers, no CPU kernel
+        pinned = w["to_host"] if pin == "pinned" else 0
+        assert w["to_host_non_blocking"] == w["pinned_buffers"] == pinned, (where, w)
+        host_buffers = "empty_strided_cpu_pinned(" if pinned else "empty_strided_cpu("
+        assert set(g["cpu_code"]) <= {"device='cpu'", host_buffers}, where  # the host buffers, no CPU kernel
         assert g["problems"] == [], where
         assert [(op, mm) for op, mm, _ in g["generated"]] == [tuple(p) for p in g["planned"]], where
