@@ -207,10 +207,8 @@ def to_host(grads: list[Tensor], c: Comm) -> list[Tensor]:
     into pageable memory, as FSDP2 copies them then."""
     if not c.offload:
         return grads
-    cpu = torch.device("cpu")
-    if c.offload_pinned:
-        return [torch.ops.aten._to_copy.default(g, device=cpu, non_blocking=True) for g in grads]
-    return [torch.ops.aten._to_copy.default(g, device=cpu) for g in grads]
+    pinned = {"non_blocking": True} if c.offload_pinned else {}  # the pageable graph's copies as they were
+    return [torch.ops.aten._to_copy.default(g, device=torch.device("cpu"), **pinned) for g in grads]
 
 
 def unshard_impl(shards: list[Tensor], args: UnshardArgs, payloads: Sequence[Tensor] = ()) -> list[Tensor]:

@@ -335,6 +335,12 @@ def _id_of(t) -> int:
     return _layout_id(t.device_mesh, t.placements, tuple(t.shape), t.stride())
 
 
+def dtensor_parameters(crossing: tuple | None) -> bool:
+    """Whether a region's ``crossing`` (``regions._crossing``: per tensor a ``ParallelSpec`` or None, and the
+    subclass crossings) takes DTensor parameters."""
+    return crossing is not None and any(crossing[0])
+
+
 def symbolic_dtensor_call(operands: tuple, dtensors: bool) -> bool:
     """Whether a call that takes DTensors (``dtensors``: DTensor parameters; or a DTensor among ``operands``) is
     traced with dynamic shapes (after an automatic-dynamic recompile, say): its layouts and the note of its outputs
@@ -387,10 +393,11 @@ def call_key(region: str, spec: str, operands: tuple, dtensors: bool) -> tuple:
     """What a region's outputs' layouts are noted by: the region, its call's structure and input layouts (``spec``),
     its tensors' shapes and dtypes (a DTensor's global shape follows them) and its constants (each its own trace:
     ``regions._reuse_key``), the same inside and outside the region. None for a call that is not flat (``spec``
-    None) or takes no DTensor (``dtensors``: no DTensor parameter or activation): its outputs are left as they are
+    None) or takes no DTensor (no DTensor parameter, ``dtensors``, and no DTensor activation, which ``spec`` names
+    after a "#", ``activations_flattened``): its outputs are left as they are
     (a DTensor among them: inline, ``_torch/_invoke_subgraph.py``). Only a DTensor call pays for the note: its key
     holds the shapes as constants, which a trace with dynamic shapes cannot give (Dynamo refuses a SymInt there)."""
-    if spec is None or not dtensors:
+    if spec is None or not (dtensors or "#" in spec):
         return None
     return (region, spec, *((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t for t in operands))
 

@@ -97,12 +97,12 @@ def _make_region(blocks: list[nn.Module], index: int, crossing: tuple | None = N
     forward = type(template).forward
     n = len(names) if crossing is None else boundary.width(crossing[1])
     name = f"fsdp_compile_region_{index}"
-    dtensors = crossing is not None and any(crossing[0])  # DTensor parameters; activations: "#" in the call's spec
+    dtensors = boundary.dtensor_parameters(crossing)
     if len({_plain_attributes(b) for b in blocks}) == 1:
         made = f"{name}:{next(_MADE)}"  # what its outputs' layouts are noted by: this region's, not another model's
 
         def region(spec, *operands):
-            key = boundary.call_key(made, spec, operands, dtensors or "#" in (spec or ""))
+            key = boundary.call_key(made, spec, operands, dtensors)
             if spec is not None:  # DTensor activations, from their local tensors (``boundary``)
                 spec, _, named = spec.partition("#")
                 operands = boundary.activations_rebuilt(operands, named)
@@ -220,7 +220,7 @@ def _holders(block: nn.Module, names) -> tuple:
 def _regional_forward(block: nn.Module, region, names, pass_block: bool, pairs: tuple = (), crossing=None):
     own = getattr(block.forward, "fsdp_compile_own_forward", block.forward)  # the bound method of its class
     made = getattr(region, "fsdp_compile_made", None)
-    dtensors = crossing is not None and any(crossing[0])  # as _make_region's
+    dtensors = boundary.dtensor_parameters(crossing)
     holders = _holders(block, names)
     buffers = len(names) - len(tuple(nn.Module.named_parameters(block)))  # ``names`` lists them last (``_tensor_names``)
 
@@ -238,12 +238,12 @@ def _regional_forward(block: nn.Module, region, names, pass_block: bool, pairs: 
         if pass_block:
             return region(block, tensors, *args, **kwargs)
         spec, operands = _flatten_call(tensors, args, kwargs)
-        if (dtensors or spec is not None) and boundary.symbolic_dtensor_call(operands, dtensors):
+        if boundary.symbolic_dtensor_call(operands, dtensors):
             return own(*args, **kwargs)  # dynamic shapes: a layout's shape cannot be a constant of the region
         if spec is not None:  # DTensor activations and buffers (torchtitan's RoPE cache) go in as local tensors
             operands, named = boundary.activations_flattened(operands, len(tensors) - buffers)
             spec = f"{spec}#{named}" if named else spec
-        key = boundary.call_key(made, spec, operands, dtensors or "#" in (spec or ""))
+        key = boundary.call_key(made, spec, operands, dtensors)
         return boundary.outputs_rebuilt(region(spec, *operands), key)
 
     forward.fsdp_compile_region = region
