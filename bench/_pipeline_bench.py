@@ -47,7 +47,7 @@ def _loss(out, target):
 
 
 class PPVariant:
-    def __init__(self, name, sizes, mesh, device, backend, mp):
+    def __init__(self, name, sizes, mesh, device, backend, mp, optimizer):
         from test_pipeline_multirank import LlamaStage  # the test's split
 
         self.name, self.times, self.first_step_s, self.loss = name, [], None, None
@@ -65,7 +65,7 @@ class PPVariant:
         self.runner = runner
         stage = PipelineStage(runner, self.pp, n, device, group=mesh["pp"].get_group())
         self.schedule = Schedule1F1B(stage, MICROBATCHES, loss_fn=_loss)
-        self.opt = torch.optim.AdamW(self.module.parameters(), lr=3e-3)
+        self.opt = H.adamw(self.module.parameters(), 3e-3, optimizer)
         self.last = self.pp == n - 1
 
     def step(self, tokens: torch.Tensor) -> float:
@@ -133,7 +133,7 @@ def run_pipeline(args, sizes, mp, batch, BytesByDim, graph_bytes_per_dim):
     dp = mesh["dp"].get_local_rank()
     dims = {mesh["dp"].get_group().group_name: "dp", mesh["pp"].get_group().group_name: "pp"}
     names = [n for n in PP_VARIANTS if n == "eager" or not args.variants or n in args.variants]
-    variants = [PPVariant(n, sizes, mesh, device, args.backend, mp) for n in names]
+    variants = [PPVariant(n, sizes, mesh, device, args.backend, mp, args.optimizer) for n in names]
     say(f"compiled_vs_eager --pp {args.pp}: '{args.model}', {world} ranks ({dist.get_backend()}), pp {args.pp} x dp "
         f"{world // args.pp}, Schedule1F1B, {MICROBATCHES} micro-batches of a {args.batch} x {args.seq} batch per dp "
         f"replica, backend={args.backend}" + (f", mixed precision {args.mp}" if args.mp else ""))

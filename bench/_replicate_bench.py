@@ -85,7 +85,7 @@ def run_replicate(args, cve):
                 self.runner = fc.compile(model, backend=args.backend)
             else:  # a frame of its own: Dynamo's cache would hand it the model's forward DDP's compile split
                 self.runner = torch.compile(lambda tokens: model(tokens), backend=args.backend)
-            self.opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+            self.opt = H.adamw(model.parameters(), 3e-3, args.optimizer)
             self._records(name, args.model)
 
     names = [n for n in REPLICATE_VARIANTS if n == "eager" or not args.variants or n in args.variants]

@@ -89,7 +89,7 @@ class Variant:
             fully_shard(block)
         self.model = fully_shard(model)
         self.runner = fc.compile(model, backend=args.backend) if name.startswith("fc") else model
-        self.opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        self.opt = H.adamw(model.parameters(), 3e-3, args.optimizer)
         self.times: list[float] = []
         self.first_step_s = None
         self.bytes: dict[str, int] | None = None
@@ -135,6 +135,7 @@ def main():
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--backend", default="inductor", choices=["inductor", "aot_eager"])
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    H.add_optimizer_arg(ap)
     args = ap.parse_args()
     if "RANK" not in os.environ:
         ap.error("launch with torchrun, e.g.: torchrun --nproc-per-node 2 bench/accumulation.py")

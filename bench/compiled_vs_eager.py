@@ -17,7 +17,8 @@ state, so eager, torch.compile and fc fit one 80 GB H100 together).
 Device: ``--device auto`` (the default) runs on GPUs with NCCL when CUDA is present, else on CPU with gloo;
 ``cuda`` insists on GPUs (one per rank); ``cpu`` hides them. ``--mp bf16``: FSDP2's MixedPrecisionPolicy(bf16
 parameters, fp32 reduce) on every fully_shard call (compute-only: the model cast to bf16).
-Variants (each its own model from the same seed, AdamW, the same batches):
+Variants (each its own model from the same seed, AdamW (``--optimizer``: fused, as torchtitan's default, or
+foreach), the same batches):
   eager             torch's fully_shard, no compile
   torch.compile     torch.compile(model) on the fully_shard model: FSDP2's hooks stay eager (graph breaks)
   compute-only      the same model unsharded, torch.compile'd, no collectives: the bound a perfect overlap
@@ -271,7 +272,7 @@ def logits_of(model_name: str, out):
 
 class Variant:
     def __init__(self, name: str, model_name: str, device: torch.device, make, sharded: bool | str = True, tp: int = 1,
-                 float8_ag: bool | None = None, mp: str | None = None, offload: bool = False):
+                 float8_ag: bool | None = None, mp: str | None = None, offload: bool = False, optimizer: str = "fused"):
         self.model = build(model_name, device, sharded, tp, float8_ag, mp, offload)
         self.precompute = None  # with the float8 all-gather: torchao's scale precompute, after each optimizer step
         if float8_ag:
@@ -281,7 +282,7 @@ class Variant:
         self.runner = make(self.model)
         # llama-1b diverged at 3e-3 (its loss rose to 11-15 in 25 steps on an H100), which made its loss
         # deltas between variants meaningless
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=3e-4 if model_name == "llama-1b" else 3e-3)
+        self.opt = H.adamw(self.model.parameters(), 3e-4 if model_name == "llama-1b" else 3e-3, optimizer)
         self._records(name, model_name)
 
     def _records(self, name: str, model_name: str) -> None:
@@ -482,6 +483,7 @@ def main():
     ap.add_argument("--mp", default=None, choices=[k for k in MP if k], help="FSDP2 mixed precision (bf16 parameters, fp32 reduce)")
     ap.add_argument("--stem", default=None, help="results file name without extension (default compiled_vs_eager_<model>[...])")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    H.add_optimizer_arg(ap)
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: torch.cuda.is_available() is False (no GPU, or a CPU build of torch)")
@@ -540,7 +542,8 @@ def main():
         skipped["torch.compile"] = ("fails to compile FSDP2 + TP in torch 2.13 (BackendCompilerFailed); run it alone "
                                     "with --variants torch.compile")
     variants = [Variant(name, args.model, device, make, sharded=SHARD_WITH.get(name, True), tp=args.tp,
-                        float8_ag=float8_ag.get(name), mp=args.mp, offload=args.offload) for name, make in makers.items()]
+                        float8_ag=float8_ag.get(name), mp=args.mp, offload=args.offload,
+                        optimizer=args.optimizer) for name, make in makers.items()]
     if "comm-only" in names:
         variants.insert(names.index("comm-only"), CommOnly(variants[names.index("fc")], device))
     say(f"compiled_vs_eager: '{args.model}', {world} ranks ({dist.get_backend()}), backend={args.backend}, "

@@ -263,6 +263,7 @@ def main():
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     ap.add_argument("--stem", default=None, help="results file name without extension (default profile_step_<model>)")
     ap.add_argument("--trace-dir", default=None, help="also write each variant's profile there as trace_<variant>.json.gz")
+    H.add_optimizer_arg(ap)
     args = ap.parse_args()
     if "RANK" not in os.environ:
         ap.error("launch with torchrun, e.g.: torchrun --nproc-per-node 2 bench/profile_step.py")
@@ -299,7 +300,8 @@ def main():
         if name in skipped:
             continue
         make = CVE.make_variant(name, args.model, args.backend)
-        v = CVE.Variant(name, args.model, device, make, sharded=CVE.SHARD_WITH.get(name, True), mp=args.mp)
+        v = CVE.Variant(name, args.model, device, make, sharded=CVE.SHARD_WITH.get(name, True), mp=args.mp,
+                          optimizer=args.optimizer)
         with H.cold_compile(not args.warm_cache), H.compile_timing() as timing:
             first = run(v, 1)[0]
         phases = H.compile_phases(timing, first)

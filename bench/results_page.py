@@ -143,6 +143,12 @@ def flags(config: dict, skip: set[str] = frozenset()) -> list[str]:
     return out
 
 
+def with_optimizer(cfg: dict) -> dict:
+    """A step benchmark's config with its AdamW implementation: runs before ``--optimizer`` existed
+    (2026-11-28) used torch's default, foreach."""
+    return {**cfg, "optimizer": cfg.get("optimizer", "foreach")}
+
+
 def torchrun(script: str, world, opts: list[str]) -> str:
     return " ".join([f"torchrun --nproc-per-node {world}", script, *opts])
 
@@ -155,16 +161,16 @@ def command(name: str, d: dict) -> str:
         return "command (recorded): " + code(recorded if isinstance(recorded, str) else " ".join(map(str, recorded)))
     cfg = d.get("config") or d.get("args")
     if name.startswith(("gpu_step_", "compiled_vs_eager_")) and cfg:
-        cfg = dict(cfg, device=str(cfg.get("device", "auto")).split(":")[0])  # recorded as resolved (cuda:0)
+        cfg = with_optimizer(dict(cfg, device=str(cfg.get("device", "auto")).split(":")[0]))  # device recorded as resolved (cuda:0)
         note = "" if cfg.get("stem") in (None, stem) else f"; written as `{cfg['stem']}.json`, renamed since"
         return (f"command (from the JSON's `config`{note}): "
                 + code(torchrun("bench/compiled_vs_eager.py", cfg.get("world_size", NR), flags(cfg))))
     if name.startswith(("gpu_profile_", "profile_step_")) and cfg:
         note = "" if cfg.get("stem") in (None, stem) else f"; written as `{cfg['stem']}.json`, renamed since"
         return (f"command (from the JSON's `config`{note}): "
-                + code(torchrun("bench/profile_step.py", cfg.get("world_size", NR), flags(cfg))))
+                + code(torchrun("bench/profile_step.py", cfg.get("world_size", NR), flags(with_optimizer(cfg)))))
     if name.startswith("accumulation_") and cfg:
-        return "command (from the JSON's `args`): " + code(torchrun("bench/accumulation.py", d.get("world_size", NR), flags(cfg)))
+        return "command (from the JSON's `args`): " + code(torchrun("bench/accumulation.py", d.get("world_size", NR), flags(with_optimizer(cfg))))
     if name.startswith("soak") and cfg:
         return ("command (from the JSON's `config`; the world size is not recorded, the script's docstring runs 2 "
                 "ranks): " + code(torchrun("bench/soak.py", 2, flags(cfg))))
