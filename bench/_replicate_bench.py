@@ -9,6 +9,8 @@ peak-memory steps and CPU floor of compiled_vs_eager. Variants (each its own mod
                     compiles each piece on its own, so DDP's C++ reducer can all-reduce a bucket between them
   compute-only      the same model, no data parallelism, torch.compile'd: the bound a perfect overlap reaches
   fc                ``fc.compile`` of the eager variant's structure (the default config)
+  fc:one-bucket     the same with every module's gradients in one all-reduce (an explicit bucket plan of every
+                    replicated module), issued after the backward as DDP's single bucket
   comm-only         fc's collectives alone (compiled_vs_eager's CommOnly): with compute-only, the CPU floor
 Graphs per variant, counted over its two warm-up steps: Dynamo's graphs and graph breaks (torch's counters) and,
 for DDP, DDPOptimizer's buckets (each one compiled subgraph; the splits are not Dynamo graph breaks but cut the
@@ -29,7 +31,7 @@ import _harness as H
 
 import fsdp_compile as fc
 
-REPLICATE_VARIANTS = ["eager", "ddp+torch.compile", "compute-only", "fc", "comm-only"]
+REPLICATE_VARIANTS = ["eager", "ddp+torch.compile", "compute-only", "fc", "comm-only", "fc:one-bucket"]
 
 
 def replicated(model: torch.nn.Module, model_name: str) -> torch.nn.Module:
@@ -40,6 +42,15 @@ def replicated(model: torch.nn.Module, model_name: str) -> torch.nn.Module:
     for block in (model.model.layers if model_name == "hf-llama" else llama_blocks(model)):
         replicate(block)
     return replicate(model)
+
+
+def replicated_fqns(model: torch.nn.Module, model_name: str) -> tuple[str, ...]:
+    """The FQNs of the modules ``replicated`` wraps, blocks first, the root ("") last."""
+    from fsdp_compile.models import llama_blocks
+
+    blocks = model.model.layers if model_name == "hf-llama" else llama_blocks(model)
+    names = {m: n for n, m in model.named_modules()}
+    return (*(names[b] for b in blocks), "")
 
 
 def ddp_optimizer_buckets():
@@ -73,7 +84,7 @@ def run_replicate(args, cve):
     class RVariant(cve.Variant):
         def __init__(self, name: str):
             model = cve.build(args.model, device, sharded=False)
-            if name in ("eager", "fc"):
+            if name in ("eager", "fc", "fc:one-bucket"):
                 model = replicated(model, args.model)
             self.model, self.precompute = model, None
             if name == "ddp+torch.compile":
@@ -83,6 +94,8 @@ def run_replicate(args, cve):
                 self.runner = model
             elif name == "fc":
                 self.runner = fc.compile(model, backend=args.backend)
+            elif name == "fc:one-bucket":  # every gradient in one all-reduce after the backward, as DDP's one bucket
+                self.runner = fc.compile(model, backend=args.backend, bucket=(replicated_fqns(model, args.model),))
             else:  # a frame of its own: Dynamo's cache would hand it the model's forward DDP's compile split
                 self.runner = torch.compile(lambda tokens: model(tokens), backend=args.backend)
             self.opt = H.adamw(model.parameters(), 3e-3, args.optimizer)
