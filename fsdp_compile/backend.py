@@ -190,7 +190,8 @@ def make_backend(
         # under Inductor, only on the torches whose region lowering our patches were measured to fix
         sound = torch.__version__.startswith(REGIONS_SOUND_UNDER_INDUCTOR) and region_aliases_patchable()
         refuse = INDUCTOR_REGIONS_UNSOUND if inductor and not sound else None
-        captured.regions.extend(admit_regions(gm, detect_fake_mode(example_inputs), refuse))
+        captured.regions.extend(dataclasses.replace(d, graph=len(captured.dynamo))
+                                for d in admit_regions(gm, detect_fake_mode(example_inputs), refuse))
         hook.dynamo(len(captured.dynamo), gm)
         captured.dynamo.append(gm)
         if inductor:

@@ -74,7 +74,10 @@ class Report:
             *(f"- on mesh dim `{dim}`: " + ", ".join(f"{n} {kind.replace('_', '-')}" for kind, n in counts.items() if n)
               for dim, counts in self.collectives_by_mesh_dim.items()),
             *(f"- repeated blocks {_blocks(r['blocks'])}: "
-              + ("one compiled region" if r["region"] else f"compiled inline: {r['why']}") for r in self.regions),
+              + ("one compiled region" if r["region"] else f"compiled inline: {r['why']}")
+              + (f"; inline in Dynamo graph {', '.join(map(str, r['inline_in_graphs']))} (a recompile whose calls a "
+                 "region cannot take: DTensor layouts of symbolic shape)" if r.get("inline_in_graphs") else "")
+              for r in self.regions),
             *(f"- CUDA graph, {d['kind']} graph {d['index']}: "
               + ("captured" if d["captured"] else f"runs uncaptured: {d['reason']}") for d in self.cudagraphs),
             "",
@@ -120,13 +123,18 @@ def _blocks(fqns: list[str]) -> str:
     return f"`{fqns[0]}` .. `{fqns[-1]}` ({len(fqns)})" if len(fqns) > 2 else ", ".join(f"`{f}`" for f in fqns)
 
 
-def region_summary(repeated: list[list[str]], decisions, enabled: bool, fixed: dict[int, str] | None = None) -> list[dict]:
+def region_summary(repeated: list[list[str]], decisions, enabled: bool, fixed: dict[int, str] | None = None,
+                   graphs: int = 1) -> list[dict]:
     """``Report.regions``: kind ``i`` of ``repeated`` (``capture.install_regions``) runs as
-    ``fsdp_compile_region_<i>``; ``decisions`` are ``passes.regions.admit_regions``' for every call; ``fixed``:
-    kinds compiled inline whatever the trace (``capture.inline_reason``), and why."""
+    ``fsdp_compile_region_<i>``; ``decisions`` are ``passes.regions.admit_regions``' for every call of the
+    step's ``graphs`` Dynamo graphs; ``fixed``: kinds compiled inline whatever the trace
+    (``capture.inline_reason``), and why. A region that a later graph (a recompile) runs inline, where the
+    block's call is not one a region can take (``capture.regions``: a DTensor layout of a symbolic shape under
+    dynamic shapes), lists that graph in ``inline_in_graphs`` (absent where none does)."""
     out = []
     for i, blocks in enumerate(repeated):
-        whys = [d.why for d in decisions if d.region == f"fsdp_compile_region_{i}"]
+        mine = [d for d in decisions if d.region == f"fsdp_compile_region_{i}"]
+        whys = [d.why for d in mine]
         if not enabled:
             why = "CompileConfig(regions=False)"
         elif fixed and i in fixed:
@@ -135,7 +143,11 @@ def region_summary(repeated: list[list[str]], decisions, enabled: bool, fixed: d
             why = "not called as a region in the captured step"
         else:
             why = next((w for w in whys if w is not None), None)
-        out.append({"blocks": list(blocks), "region": why is None, "why": why})
+        entry = {"blocks": list(blocks), "region": why is None, "why": why}
+        inline = [k for k in range(graphs) if not any(d.graph == k for d in mine)] if why is None else []
+        if inline:
+            entry["inline_in_graphs"] = inline
+        out.append(entry)
     return out
 
 

@@ -706,3 +706,5 @@ def test_dtensor_blocks_under_dynamic_shapes_run_inline(gloo_world_1, again):
         assert torch.equal(p.grad.to_local(), q.grad.to_local())
     static, dynamic = compiled.captured.dynamo
     assert _region_calls(static) == ["subgraph_0"] * 3 and _region_calls(dynamic) == []
+    (kind,) = compiled.regions()  # the recompile's inline blocks are named, not hidden behind "one compiled region"
+    assert kind["region"] and kind["inline_in_graphs"] == [1], kind

@@ -63,6 +63,7 @@ class RegionDecision:
     region: str | None
     subgraph: str
     why: str | None
+    graph: int = 0  # which of the step's Dynamo graphs (a recompile: a later one) holds the call
 
 
 INDUCTOR_REGIONS_UNSOUND = (
