@@ -75,8 +75,8 @@ class Report:
               for dim, counts in self.collectives_by_mesh_dim.items()),
             *(f"- repeated blocks {_blocks(r['blocks'])}: "
               + ("one compiled region" if r["region"] else f"compiled inline: {r['why']}")
-              + (f"; inline in Dynamo graph {', '.join(map(str, r['inline_in_graphs']))} (a recompile whose calls a "
-                 "region cannot take: DTensor layouts of symbolic shape)" if r.get("inline_in_graphs") else "")
+              + (f"; inline in Dynamo graph {', '.join(map(str, r['inline_in_graphs']))} (a recompile that ran the "
+                 "blocks inline, as blocks taking DTensors do under dynamic shapes)" if r.get("inline_in_graphs") else "")
               for r in self.regions),
             *(f"- CUDA graph, {d['kind']} graph {d['index']}: "
               + ("captured" if d["captured"] else f"runs uncaptured: {d['reason']}") for d in self.cudagraphs),
