@@ -34,23 +34,25 @@ import fsdp_compile as fc
 REPLICATE_VARIANTS = ["eager", "ddp+torch.compile", "compute-only", "fc", "comm-only", "fc:one-bucket"]
 
 
+def _blocks(model: torch.nn.Module, model_name: str) -> list[torch.nn.Module]:
+    """The blocks ``replicated`` wraps before the root."""
+    from fsdp_compile.models import llama_blocks
+
+    return list(model.model.layers if model_name == "hf-llama" else llama_blocks(model))
+
+
 def replicated(model: torch.nn.Module, model_name: str) -> torch.nn.Module:
     from torch.distributed._composable.replicate_with_fsdp import replicate
 
-    from fsdp_compile.models import llama_blocks
-
-    for block in (model.model.layers if model_name == "hf-llama" else llama_blocks(model)):
+    for block in _blocks(model, model_name):
         replicate(block)
     return replicate(model)
 
 
 def replicated_fqns(model: torch.nn.Module, model_name: str) -> tuple[str, ...]:
     """The FQNs of the modules ``replicated`` wraps, blocks first, the root ("") last."""
-    from fsdp_compile.models import llama_blocks
-
-    blocks = model.model.layers if model_name == "hf-llama" else llama_blocks(model)
     names = {m: n for n, m in model.named_modules()}
-    return (*(names[b] for b in blocks), "")
+    return (*(names[b] for b in _blocks(model, model_name)), "")
 
 
 def ddp_optimizer_buckets():
