@@ -22,8 +22,9 @@
 # Every JSON names the GPU (torch.cuda.get_device_name), the GPU count and the torch/CUDA/Triton versions.
 # --quick: fewer kernel repeats, the tiny model and 10 steps (a few minutes; a check that it all runs).
 # --parts: which of the four to run, comma-separated (default: all). --no-traces: no Chrome traces in 4.
-# Environment: PYTHON (default python3), RESULTS (default bench/results), PROFILE_VARIANTS (4.'s variants, default
-# "eager torch.compile fc fc:cudagraphs compute-only"). Logs: $RESULTS/gpu_*.log.
+# Environment: PYTHON (default python3), RESULTS (default bench/results), STEP_VARIANTS (3.'s variants beside eager,
+# default "torch.compile fc fc:cudagraphs compute-only simplefsdp"), OFFLOAD=0 (3. without its CPU-offload run),
+# PROFILE_VARIANTS (4.'s variants, default "eager torch.compile fc fc:cudagraphs compute-only"). Logs: $RESULTS/gpu_*.log.
 # Exits 2 without a usable GPU (nothing run), 1 if a step failed (the later steps still run), else 0.
 set -euo pipefail
 
@@ -38,7 +39,7 @@ while [ $# -gt 0 ]; do
         --quick) QUICK=1 ;;
         --no-traces) TRACES=0 ;;
         --parts) PARTS=${2:?--parts needs a list, e.g. --parts tests,step}; shift ;;
-        -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
         *) echo "bench/gpu.sh: unknown argument '$1' (usage: bash bench/gpu.sh [--quick] [--parts LIST] [--no-traces])" >&2; exit 2 ;;
     esac
     shift
@@ -123,7 +124,7 @@ want kernels && run "bench/kernels.py --device cuda" "$RESULTS/gpu_kernels.log" 
     "$PYTHON" bench/kernels.py --device cuda --out "$RESULTS/gpu_kernels.json" ${KERNEL_ARGS[@]+"${KERNEL_ARGS[@]}"}
 
 # 3. Step time: one GPU, then eight (one node) where there are eight.
-VARIANTS=(torch.compile fc fc:cudagraphs compute-only simplefsdp)  # eager always runs first; simplefsdp where torchtitan imports
+read -r -a VARIANTS <<< "${STEP_VARIANTS:-torch.compile fc fc:cudagraphs compute-only simplefsdp}"  # eager always runs first; simplefsdp where torchtitan imports
 STEP_ARGS=(--device cuda --model llama-1b --mp bf16 --batch 2 --variants "${VARIANTS[@]}" --out "$RESULTS")
 MODEL=llama-1b
 if [ "$QUICK" = 1 ]; then
@@ -140,7 +141,7 @@ for W in 1 8; do
     run "bench/compiled_vs_eager.py on $W GPU(s)" "$RESULTS/gpu_step_${MODEL}_w$W.log" \
         "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$W" bench/compiled_vs_eager.py \
         "${STEP_ARGS[@]}" --stem "gpu_step_${MODEL}_w$W"
-    if [ "$W" = 1 ]; then  # CPU offload: the host optimizer makes each step seconds long, so fewer of them
+    if [ "$W" = 1 ] && [ "${OFFLOAD:-1}" != 0 ]; then  # CPU offload: the host optimizer makes each step seconds long, so fewer of them
         run "bench/compiled_vs_eager.py --offload on 1 GPU" "$RESULTS/gpu_step_${MODEL}_offload_w1.log" \
             "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node 1 bench/compiled_vs_eager.py \
             "${STEP_ARGS[@]}" --offload --steps 6 --window 3 --peak-steps 2 --stem "gpu_step_${MODEL}_offload_w1"
