@@ -117,12 +117,8 @@ def run_replicate(args, cve):
 
     def run(v, n: int, timed: bool):
         for _ in range(n):
-            dt = v.step(cve.batch(step_no[v.name], rank, vocab, device, args.batch, args.seq))
+            cve.step_once(v, cve.batch(step_no[v.name], rank, vocab, device, args.batch, args.seq), timed)
             step_no[v.name] += 1
-            if timed:
-                v.times.append(dt)
-            elif v.first_step_s is None:
-                v.first_step_s = dt
 
     for v in variants:
         g0, b0, n0 = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()), len(buckets)
@@ -162,6 +158,7 @@ def run_replicate(args, cve):
              "collective_bytes_per_step": v.eager_bytes + graph.get("bytes", 0),
              "collective_bytes_per_dim": v.bytes_per_dim or None, "peak_bytes": max(v.peaks), "peak_bytes_per_step": v.peaks,
              "final_loss": v.loss, "final_loss_delta_vs_eager": None if v.loss is None else abs(v.loss - eager_loss),
+             "minor_faults_per_step": sorted(v.faults)[len(v.faults) // 2] if v.faults else None,
              **graphs.get(v.name, {})}
         if v.name == "eager":  # its c10d calls less the step's barrier
             r["all_reduces"] = v.all_reduce_calls
@@ -189,6 +186,8 @@ def run_replicate(args, cve):
             f"{r['all_reduces'] if r['all_reduces'] is not None else '-'} | {r['collective_bytes_per_step'] / 1e6:.3f} | "
             f"{r['peak_bytes'] / 2**20:.1f} | " + ("-" if r["final_loss"] is None else
                                                   f"{r['final_loss']:.5f} ({r['final_loss_delta_vs_eager']:.1e})") + " |")
+    if device.type == "cpu":
+        say(cve.faults_line(results))
     if floor:
         say(f"comm-only: {comm['median_step_s'] * 1e3:.1f} ms, CPU busy {comm['median_cpu_s'] * 1e3:.1f} ms; CPU floor {floor * 1e3:.1f} ms")
     if rank == 0:

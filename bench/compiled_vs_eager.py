@@ -289,6 +289,7 @@ class Variant:
         """What the run records per variant (main fills them in)."""
         self.name, self.model_name = name, model_name
         self.times: list[float] = []
+        self.faults: list[int] = []  # minor page faults of this process per timed step (``H.minor_faults``)
         self.first_step_s = None
         self.peak_bytes = 0
         self.peaks: list[int] = []
@@ -438,6 +439,26 @@ class CommOnly(Variant):
         return self.fc.in_graph_collectives()  # the same collectives, replayed
 
 
+def step_once(v: Variant, tokens, timed: bool) -> None:
+    """One step of ``v``: a timed one records its time and this process's minor page faults, an untimed one
+    the first step's time (the compile)."""
+    faults = H.minor_faults()
+    dt = v.step(tokens)
+    if timed:
+        v.times.append(dt)
+        v.faults.append(H.minor_faults() - faults)
+    elif v.first_step_s is None:
+        v.first_step_s = dt
+
+
+def faults_line(results: dict) -> str:
+    """On a CPU: glibc's malloc hands a buffer above its mmap threshold fresh from the kernel, and each of its
+    4 KiB pages faults in at first touch, so a variant that allocates more fresh memory per step pays for it
+    in whatever touches it first (a copy, gloo's receive)."""
+    return ("minor page faults per step (rank 0, median of the timed steps): "
+            + ", ".join(f"{n} {r.get('minor_faults_per_step')}" for n, r in results.items()))
+
+
 def bound_and_floor(results: dict) -> tuple[dict | None, float | None]:
     """Beside every step: the compute-only variant's results (the bound) and the CPU floor (compute-only +
     comm-only's CPU time, the README's floor on a CPU whose cores are all busy with compute), measured in the
@@ -564,11 +585,7 @@ def main():
         for _ in range(n):
             tokens = batch(step_no[v.name], rank // args.tp, vocab, device, args.batch, args.seq)  # one per TP group
             step_no[v.name] += 1
-            dt = v.step(tokens)
-            if timed:
-                v.times.append(dt)
-            elif v.first_step_s is None:
-                v.first_step_s = dt
+            step_once(v, tokens, timed)
 
     for v in list(variants):  # warm-up: the first step compiles; a second lets caches settle
         try:
@@ -638,6 +655,7 @@ def main():
             "peak_bytes_per_step": v.peaks,
             "final_loss": v.loss,
             "final_loss_delta_vs_eager": None if v.loss is None else abs(v.loss - eager.loss),
+            "minor_faults_per_step": sorted(v.faults)[len(v.faults) // 2] if v.faults else None,
         }
         if isinstance(v, CommOnly):
             results[v.name]["median_cpu_s"] = v.median_cpu_s()
@@ -665,6 +683,8 @@ def main():
         "precompute)\n| variant | " + " | ".join(dim_names) + " |\n|---|" + "---|" * len(dim_names))
     for name, b in per_dim.items():
         say(f"| {name} | " + " | ".join(f"{b.get(d, 0) / 1e6:.3f}" for d in dim_names) + " |")
+    if device.type == "cpu":
+        say(faults_line(results))
     if floor:
         say(f"comm-only: {comm['median_step_s'] * 1e3:.1f} ms, the process busy {comm['median_cpu_s'] * 1e3:.1f} ms of it "
             f"(CPU time). Step floors: max(compute-only, comm-only) {max(bound['median_step_s'], comm['median_step_s']) * 1e3:.1f} ms; "

@@ -106,12 +106,13 @@ def machine(d: dict) -> str:
     gpu_name = gpu.get("device") or m.get("cuda") or env.get("device") or d.get("device")
     cores = m.get("cpu_count", env.get("cpu_count"))
     cores = f"{cores} cores" if cores is not None else f"core count {NR}"
+    model = m.get("cpu_model") or NR
     if gpu_name:
         count = gpu.get("gpu_count", env.get("gpu_count", d.get("gpu_count")))
         device = f"GPU: {gpu_name}" + (f" (machine has {count})" if count is not None else "")
-        device += f"; host CPU model {NR}, {cores}"
+        device += f"; host CPU model {model}, {cores}"
     elif m or env:  # the harness records machine.cuda = None on a CPU run
-        device = f"CPU (model {NR}), {cores}"
+        device = f"CPU (model {model}), {cores}"
     else:
         device = f"device {NR}"
     parts = [device, f"torch {m.get('torch') or env.get('torch') or d.get('torch') or NR}"]
@@ -154,7 +155,17 @@ def torchrun(script: str, world, opts: list[str]) -> str:
 
 
 def command(name: str, d: dict) -> str:
-    """``- command ...`` line: the recorded arguments as a command, or what can be rebuilt and how."""
+    """``- command ...`` line: the recorded arguments as a command, or what can be rebuilt and how; glibc malloc
+    variables the run had (``machine.malloc_env``) go in front of a rebuilt one."""
+    line = _command(name, d)
+    env = (d.get("machine") or {}).get("malloc_env")
+    if env and line.endswith("`") and "`" in line:
+        head, _, cmd = line[:-1].rpartition("`")
+        line = head + "`" + " ".join(f"{k}={v}" for k, v in env.items()) + " " + cmd + "`"
+    return line
+
+
+def _command(name: str, d: dict) -> str:
     stem = name[:-len(".json")]
     recorded = d.get("command") or (d.get("machine") or {}).get("command")  # a JSON that records its command line
     if recorded:
@@ -228,9 +239,11 @@ def step_variants(d: dict) -> list[str]:
     # where a run counted them (--replicate): all-reduces, and Dynamo's graphs and breaks (DDPOptimizer's splits)
     ar_col = any(v.get("all_reduces") is not None for v in variants.values())
     graphs_col = any(v.get("dynamo_graphs") is not None for v in variants.values())
+    faults_col = any(v.get("minor_faults_per_step") is not None for v in variants.values())  # runs since 2026-11-28
     head = ["variant", "median ms", "p10-p90 ms", "vs eager", "first step s", "all-gathers", "reduce-scatters",
             "collective MB/step", "peak MiB", "final loss", "loss - eager's", "predicted ms"] + (["CPU busy ms"] if cpu_col else []) + (
-            ["all-reduces"] if ar_col else []) + (["Dynamo graphs / breaks"] if graphs_col else [])
+            ["all-reduces"] if ar_col else []) + (["Dynamo graphs / breaks"] if graphs_col else []) + (
+            ["minor page faults/step"] if faults_col else [])
     rows = []
     for name, v in variants.items():
         p10, p90 = v.get("p10_step_s"), v.get("p90_step_s")
@@ -241,7 +254,8 @@ def step_variants(d: dict) -> list[str]:
                num(v.get("predicted_step_ms"))]
         graphs = "-" if v.get("dynamo_graphs") is None else f"{v['dynamo_graphs']} / {v.get('graph_breaks', NR)}"
         rows.append(row + ([ms(v.get("median_cpu_s"))] if cpu_col else []) + (
-            [num(v.get("all_reduces"), "d")] if ar_col else []) + ([graphs] if graphs_col else []))
+            [num(v.get("all_reduces"), "d")] if ar_col else []) + ([graphs] if graphs_col else []) + (
+            [num(v.get("minor_faults_per_step"), "d")] if faults_col else []))
     cfg = d.get("config", {})
     out = [f"Median of {cfg.get('steps', NR)} timed steps per variant; peak: {d.get('peak_memory_measures', NR)}.", ""]
     out += table(head, rows)
@@ -435,8 +449,8 @@ def render(results_dir: str = RESULTS) -> str:
              "Every measurement this project keeps, one section per JSON in `bench/results/`, each with the machine, "
              "torch version and date its JSON records and the command that produced it. Figures from different "
              "sections ran on different days and machines: compare within a table. Where a JSON lacks a field this "
-             "page says \"not recorded\". CPU runs name no CPU model (the JSON records none), only the core count and "
-             "the platform string. How to read them: [compile-time.md](compile-time.md), [gpu.md](gpu.md), "
+             "page says \"not recorded\". CPU runs before 2026-11-28 name no CPU model (their JSONs record none), only the "
+             "core count and the platform string. How to read them: [compile-time.md](compile-time.md), [gpu.md](gpu.md), "
              "[design.md](design.md).", ""]
     sections: list[tuple[str, list[str]]] = []
     for title, prefix, about in FAMILIES:
