@@ -708,3 +708,28 @@ def test_dtensor_blocks_under_dynamic_shapes_run_inline(gloo_world_1, again):
     assert _region_calls(static) == ["subgraph_0"] * 3 and _region_calls(dynamic) == []
     (kind,) = compiled.regions()  # the recompile's inline blocks are named, not hidden behind "one compiled region"
     assert kind["region"] and kind["inline_in_graphs"] == [1], kind
+
+
+def test_layout_tables_hold_one_compile(gloo_world_1):
+    """The DTensor layouts a region's calls intern (``capture/boundary.py``) are the compile's under way: a second
+    model's compile drops the first one's entries (and their meshes) instead of adding to them, and the first model,
+    compiled already, still trains like eager FSDP2 after it."""
+    from fsdp_compile.capture import boundary
+
+    models = _residual_models(3)
+    x = torch.randn(4, 8)
+    first = fc.compile(models[1], backend="aot_eager")
+    first(x).pow(2).sum().backward()
+    held = (len(boundary._LAYOUTS), len(boundary._OUTPUTS))
+    assert held[0] > 0 and held[1] > 0
+    second = fc.compile(models[2], backend="aot_eager")
+    second(x).pow(2).sum().backward()
+    assert (len(boundary._LAYOUTS), len(boundary._OUTPUTS)) == held  # before: twice as many
+    assert len({key[0] for key in boundary._LAYOUT_IDS}) == 1  # one compile id
+    loss = models[0](x).pow(2).sum()
+    loss.backward()
+    again = first(x).pow(2).sum()
+    again.backward()
+    assert torch.equal(loss, again)
+    for p, q in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.equal(2 * p.grad.to_local(), q.grad.to_local())  # two steps' gradients accumulated

@@ -299,6 +299,19 @@ torch._dynamo.allow_in_graph(_RegionDTensor)
 _LAYOUTS: list = []  # (mesh, placements, shape, stride)
 _LAYOUT_IDS: dict = {}
 _OUTPUTS: dict = {}  # (region, call key) -> per output: a layout id, or None (a plain tensor or a constant)
+_HOLDING: list = [None]  # the compile whose entries the three tables hold
+
+
+def _tables(compile_id) -> None:
+    """The tables serve the compile under way: a region's body is traced, cached and reused within one Dynamo
+    compile (its invoke_subgraph cache is the TracingContext's), so when another compile writes, the earlier one's
+    entries are dropped, and with them its meshes (and their process groups, which a process that compiles again
+    after ``destroy_process_group`` would otherwise keep alive). Before, the tables grew with every compile."""
+    if _HOLDING[0] != compile_id:
+        _LAYOUTS.clear()
+        _LAYOUT_IDS.clear()
+        _OUTPUTS.clear()
+        _HOLDING[0] = compile_id
 
 
 @torch._dynamo.assume_constant_result
@@ -308,6 +321,7 @@ def _layout_id(mesh, placements, shape, stride) -> int:
     # Another compile's (a second model, or this one's before destroy_process_group) is new to Dynamo: a region
     # reused for the next block could not find it ("NameError: name 'sub_layout_0' is not defined")
     compile_id = torch._guards.CompileContext.current_compile_id()
+    _tables(compile_id)
     key = (compile_id, mesh_key(mesh), tuple(placements), tuple(shape), tuple(stride))
     if key not in _LAYOUT_IDS:
         _LAYOUT_IDS[key] = len(_LAYOUTS)
@@ -322,6 +336,7 @@ def _layout(i: int) -> tuple:
 
 @torch._dynamo.assume_constant_result
 def _note_outputs(key: tuple, ids: tuple) -> bool:
+    _tables(torch._guards.CompileContext.current_compile_id())
     _OUTPUTS[key] = ids
     return True
 
