@@ -30,6 +30,9 @@ foreach), the same batches):
   fc:cudagraphs     fc with CompileConfig(cudagraphs=True): forward and backward replayed as CUDA graphs
                     (CUDA only; skipped elsewhere)
   fc:fsdp_group     one collective per FSDP module, where eager FSDP2 issues them (reorder=False)
+  fc:no-reorder     bucket="auto" with reorder=False: buckets planned as fc's are, but judged without overlap, and
+                    each collective where eager FSDP2 issues it (no prefetch, no deferred waits); beside fc, what
+                    the overlap gains or costs (the in-graph AG/RS column says whether the buckets differ)
   fc:no-regions     the default without regions (every block compiled on its own)
   simplefsdp        a peer, when torchtitan is importable: torchtitan's SimpleFSDP (graph_trainer's
                     data_parallel, mode "fully_shard", its MixedPrecisionPolicy with --mp) compiled with
@@ -196,11 +199,11 @@ def compile_simple_fsdp(model: torch.nn.Module, model_name: str, backend: str):
 
 
 # The variants, in the order they run (each its own model; the module docstring says what each is)
-VARIANTS = ["eager", "torch.compile", "compute-only", "fc", "comm-only", "fc:cudagraphs", "fc:fsdp_group", "fc:no-regions",
-            "simplefsdp"]
+VARIANTS = ["eager", "torch.compile", "compute-only", "fc", "comm-only", "fc:cudagraphs", "fc:fsdp_group", "fc:no-reorder",
+            "fc:no-regions", "simplefsdp"]
 FLOAT8_VARIANTS = ["eager", "eager:float8-ag", "torch.compile", "compute-only", "fc", "fc:no-regions", "fc:float8-ag"]
-FC_OVERRIDES = {"fc:fsdp_group": dict(bucket="fsdp_group", reorder=False), "fc:no-regions": dict(regions=False),
-                "fc:cudagraphs": dict(cudagraphs=True)}
+FC_OVERRIDES = {"fc:fsdp_group": dict(bucket="fsdp_group", reorder=False), "fc:no-reorder": dict(reorder=False),
+                "fc:no-regions": dict(regions=False), "fc:cudagraphs": dict(cudagraphs=True)}
 SHARD_WITH = {"compute-only": False, "simplefsdp": "simplefsdp"}  # build()'s ``sharded`` (default: fully_shard)
 
 
