@@ -34,6 +34,9 @@ foreach), the same batches):
                     each collective where eager FSDP2 issues it (no prefetch, no deferred waits); beside fc, what
                     the overlap gains or costs (the in-graph AG/RS column says whether the buckets differ)
   fc:no-regions     the default without regions (every block compiled on its own)
+  fc:no-reshard     the default on a model sharded with fully_shard(reshard_after_forward=False): the gathered
+                    parameters kept from forward to backward, no re-gather, as the SimpleFSDP variant does (it is
+                    compiled without graph_trainer's memory policy, which is what recomputes its all-gathers)
   simplefsdp        a peer, when torchtitan is importable: torchtitan's SimpleFSDP (graph_trainer's
                     data_parallel, mode "fully_shard", its MixedPrecisionPolicy with --mp) compiled with
                     fullgraph=True and its transformer-block bucketing (torch's manual_overlap_bucketing over
@@ -200,11 +203,11 @@ def compile_simple_fsdp(model: torch.nn.Module, model_name: str, backend: str):
 
 # The variants, in the order they run (each its own model; the module docstring says what each is)
 VARIANTS = ["eager", "torch.compile", "compute-only", "fc", "comm-only", "fc:cudagraphs", "fc:fsdp_group", "fc:no-reorder",
-            "fc:no-regions", "simplefsdp"]
+            "fc:no-regions", "fc:no-reshard", "simplefsdp"]
 FLOAT8_VARIANTS = ["eager", "eager:float8-ag", "torch.compile", "compute-only", "fc", "fc:no-regions", "fc:float8-ag"]
 FC_OVERRIDES = {"fc:fsdp_group": dict(bucket="fsdp_group", reorder=False), "fc:no-reorder": dict(reorder=False),
                 "fc:no-regions": dict(regions=False), "fc:cudagraphs": dict(cudagraphs=True)}
-SHARD_WITH = {"compute-only": False, "simplefsdp": "simplefsdp"}  # build()'s ``sharded`` (default: fully_shard)
+SHARD_WITH = {"compute-only": False, "simplefsdp": "simplefsdp", "fc:no-reshard": "no-reshard"}  # build()'s ``sharded``
 
 
 def make_variant(name: str, model_name: str, backend: str):
@@ -220,8 +223,8 @@ def make_variant(name: str, model_name: str, backend: str):
 
 def build(model_name: str, device: torch.device, sharded: bool | str = True, tp: int = 1, float8_ag: bool | None = None,
           mp: str | None = None, offload: bool = False):
-    """``sharded``: True, torch's fully_shard per block and at the root; False, not sharded; "simplefsdp",
-    torchtitan's SimpleFSDP over all ranks. ``float8_ag``: None, no float8; else torchao's float8 Linears,
+    """``sharded``: True, torch's fully_shard per block and at the root; "no-reshard", the same with
+    ``reshard_after_forward=False``; False, not sharded; "simplefsdp", torchtitan's SimpleFSDP over all ranks. ``float8_ag``: None, no float8; else torchao's float8 Linears,
     with the float8 all-gather or not. ``mp``: a key of ``MP``, FSDP2's mixed precision on every
     fully_shard call (unsharded: the model cast; SimpleFSDP: its own policy of the same dtypes)."""
     torch.manual_seed(0)
@@ -260,6 +263,8 @@ def build(model_name: str, device: torch.device, sharded: bool | str = True, tp:
                                mp_policy=policy)
     if mp:
         mesh["mp_policy"] = MP[mp]
+    if sharded == "no-reshard":
+        mesh["reshard_after_forward"] = False
     if offload:
         from torch.distributed.fsdp import CPUOffloadPolicy
 

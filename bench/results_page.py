@@ -39,7 +39,7 @@ FAMILIES = [
     ("CPU: compiled vs eager step", "compiled_vs_eager_", "`bench/compiled_vs_eager.py` on CPU gloo ranks (one "
      "thread each, `fc.single_thread_gloo`): median step of timed steps in interleaved windows. Variants: `eager` "
      "(FSDP2), `torch.compile` (on the FSDP2 model), `fc` (defaults), `fc:fsdp_group` (one bucket per FSDP module), "
-     "`fc:no-reorder` (`reorder=False`: no prefetch or deferred waits), `fc:no-regions`, `simplefsdp` (torchtitan 0.3.0's, with its transformer-block bucketing, when importable), "
+     "`fc:no-reorder` (`reorder=False`: no prefetch or deferred waits), `fc:no-regions`, `fc:no-reshard` (`fully_shard(reshard_after_forward=False)`: no re-gather in backward, as the `simplefsdp` variant), `simplefsdp` (torchtitan 0.3.0's, with its transformer-block bucketing, when importable), "
      "`compute-only` (the model unsharded, no collectives; with `--tp`, the TP model without FSDP), `comm-only` "
      "(fc's collectives alone, same ops, sizes and order, no compute; its CPU busy time is what gloo takes from the "
      "cores). The step floors: on a machine whose cores run both gloo and compute, no schedule beats compute-only + "
