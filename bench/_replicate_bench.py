@@ -158,7 +158,7 @@ def run_replicate(args, cve):
              "collective_bytes_per_step": v.eager_bytes + graph.get("bytes", 0),
              "collective_bytes_per_dim": v.bytes_per_dim or None, "peak_bytes": max(v.peaks), "peak_bytes_per_step": v.peaks,
              "final_loss": v.loss, "final_loss_delta_vs_eager": None if v.loss is None else abs(v.loss - eager_loss),
-             "minor_faults_per_step": sorted(v.faults)[len(v.faults) // 2] if v.faults else None,
+             "minor_faults_per_step": cve.faults_per_step(v),
              **graphs.get(v.name, {})}
         if v.name == "eager":  # its c10d calls less the step's barrier
             r["all_reduces"] = v.all_reduce_calls

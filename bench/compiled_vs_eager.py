@@ -224,8 +224,8 @@ def make_variant(name: str, model_name: str, backend: str):
 def build(model_name: str, device: torch.device, sharded: bool | str = True, tp: int = 1, float8_ag: bool | None = None,
           mp: str | None = None, offload: bool = False):
     """``sharded``: True, torch's fully_shard per block and at the root; "no-reshard", the same with
-    ``reshard_after_forward=False``; False, not sharded; "simplefsdp", torchtitan's SimpleFSDP over all ranks. ``float8_ag``: None, no float8; else torchao's float8 Linears,
-    with the float8 all-gather or not. ``mp``: a key of ``MP``, FSDP2's mixed precision on every
+    ``reshard_after_forward=False``; False, not sharded; "simplefsdp", torchtitan's SimpleFSDP over all ranks.
+    ``float8_ag``: None, no float8; else torchao's float8 Linears, with the float8 all-gather or not. ``mp``: a key of ``MP``, FSDP2's mixed precision on every
     fully_shard call (unsharded: the model cast; SimpleFSDP: its own policy of the same dtypes)."""
     torch.manual_seed(0)
     with torch.device(device):
@@ -459,6 +459,11 @@ def step_once(v: Variant, tokens, timed: bool) -> None:
         v.first_step_s = dt
 
 
+def faults_per_step(v: Variant) -> int | None:
+    """The median of ``v``'s minor page faults per timed step (``step_once``), or None before any."""
+    return sorted(v.faults)[len(v.faults) // 2] if v.faults else None
+
+
 def faults_line(results: dict) -> str:
     """On a CPU: glibc's malloc hands a buffer above its mmap threshold fresh from the kernel, and each of its
     4 KiB pages faults in at first touch, so a variant that allocates more fresh memory per step pays for it
@@ -663,7 +668,7 @@ def main():
             "peak_bytes_per_step": v.peaks,
             "final_loss": v.loss,
             "final_loss_delta_vs_eager": None if v.loss is None else abs(v.loss - eager.loss),
-            "minor_faults_per_step": sorted(v.faults)[len(v.faults) // 2] if v.faults else None,
+            "minor_faults_per_step": faults_per_step(v),
         }
         if isinstance(v, CommOnly):
             results[v.name]["median_cpu_s"] = v.median_cpu_s()

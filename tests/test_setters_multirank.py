@@ -123,10 +123,11 @@ def results():
 
 
 
-def _bitwise(rank, r):
+def _bitwise(rank, r, atol=0.0):
+    """Losses bitwise; gradients and parameters bitwise, or within ``atol`` where a case says why."""
     eager, compiled = r["losses"][0::2], r["losses"][1::2]
     assert eager == compiled, (rank, r["losses"])
-    assert max(r["grad_diff"]) == 0.0 and max(r["param_diff"]) == 0.0, (rank, r)
+    assert max(r["grad_diff"]) <= atol and max(r["param_diff"]) <= atol, (rank, r)
 
 
 @pytest.mark.parametrize("name", ALL_REDUCE)
@@ -170,9 +171,7 @@ def test_replicate_accumulation(results):
         # per-group buffer ([norm, output] apart from the embedding). Measured on one machine: output.weight's
         # gradient one fp32 ulp off (2.3e-10), the rest bitwise; bucket="fsdp_group", or 2 ranks (a sum of two
         # commutes), are bitwise. The losses stay bitwise.
-        eager, compiled = r["losses"][0::2], r["losses"][1::2]
-        assert eager == compiled, (rank, r["losses"])
-        assert max(r["grad_diff"]) <= 1e-8 and max(r["param_diff"]) <= 1e-8, (rank, r)
+        _bitwise(rank, r, atol=1e-8)
         assert all(r["no_grad_before_all_reduce"]), r
         backward = r["backward"]
         assert set(backward) == {"no_sync", "no_all_reduce", "all_reduce"}, backward
