@@ -69,13 +69,14 @@ def storage_keys(graph: fx.Graph) -> tuple[dict[fx.Node, list], dict[object, int
         else:
             tensors = P.val_tensors(n.meta.get("val"))
             if tensors:
-                ks = []
+                ks = {}  # insertion-ordered and deduplicated in O(1): a graph's output holds every saved tensor
                 for t in tensors:
                     k = _key(t)
                     k = alias.get(k, k)
                     if k not in ks:
-                        ks.append(k)
-                    nbytes.setdefault(k, _nbytes(t))
+                        ks[k] = None
+                        nbytes.setdefault(k, _nbytes(t))
+                ks = list(ks)
             elif "val" not in n.meta and P.is_view(n) and n.all_input_nodes:
                 ks = list(keys.get(n.all_input_nodes[0], []))
             else:
