@@ -227,8 +227,9 @@ def build(model_name: str, device: torch.device, sharded: bool | str = True, tp:
           mp: str | None = None, offload: bool = False):
     """``sharded``: True, torch's fully_shard per block and at the root; "no-reshard", the same with
     ``reshard_after_forward=False``; False, not sharded; "simplefsdp", torchtitan's SimpleFSDP over all ranks.
-    ``float8_ag``: None, no float8; else torchao's float8 Linears, with the float8 all-gather or not. ``mp``: a key of ``MP``, FSDP2's mixed precision on every
-    fully_shard call (unsharded: the model cast; SimpleFSDP: its own policy of the same dtypes)."""
+    ``float8_ag``: None, no float8; else torchao's float8 Linears, with the float8 all-gather or not. ``mp``: a
+    key of ``MP``, FSDP2's mixed precision on every fully_shard call (unsharded: the model cast; SimpleFSDP: its
+    own policy of the same dtypes)."""
     torch.manual_seed(0)
     with torch.device(device):
         if model_name == "hf-llama":
