@@ -1,6 +1,8 @@
 """All-gather extensions on the fake process group: what is planned, captured and refused (issue 21).
 The numerics against eager FSDP2 are in ``test_extensions_multirank.py``."""
 
+import types
+
 import pytest
 import torch
 
@@ -132,14 +134,14 @@ def test_torchao_float8_blocks_share_a_region(float8_all_gather):
 
 def test_float8_weight_crosses_the_boundary_as_its_inner_tensors():
     """Outside, a Float8TrainingTensor weight (what fsdp_post_all_gather built, its gradient going to the
-    all-gather's output through ``_extensions.Attach``) goes in as its float8 data, its scale and a carrier that
+    all-gather's output through ``_extensions.post_all_gather``) goes in as its float8 data, its scale and a carrier that
     owns no memory; inside, it is rebuilt with the region's flatten context, and the plain gradient torchao's
     matmul gives it reaches the all-gather's output unchanged. Another context than the region's: None (the
     block runs inline)."""
     pytest.importorskip("torchao.float8", reason="torchao (the test extra) is not installed")
     from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole, LinearMMConfig
 
-    from fsdp_compile._extensions import Attach
+    from fsdp_compile._extensions import post_all_gather
     from fsdp_compile.capture import boundary
 
     def weight(config):
@@ -152,7 +154,20 @@ def test_float8_weight_crosses_the_boundary_as_its_inner_tensors():
     crossings = boundary.subclass_crossings((spec, None))
     handle = torch.zeros(4, 3, requires_grad=True)  # the all-gather's output for this weight
     bias = torch.ones(3)
-    operands = boundary.flattened((Attach.apply(full, handle), bias), (None, None), crossings)
+
+    class Local:  # the local shard whose fsdp_post_all_gather built the weight
+        def __init__(self, built):
+            self.built = built
+
+        def fsdp_post_all_gather(self, outputs, metadata, param_dtype):
+            return self.built, outputs
+
+    extension = types.SimpleNamespace(orig_size=(4, 3), contiguous_stride=(3, 1))
+
+    def attached(built):
+        return post_all_gather(Local(built), [], (), handle, torch.float32, extension, "w")
+
+    operands = boundary.flattened((attached(full), bias), (None, None), crossings)
     data, scale, carrier, plain = operands
     assert data.dtype == torch.float8_e4m3fn and torch.equal(data.view(torch.uint8), full._data.view(torch.uint8))
     assert torch.equal(scale, full._scale) and plain is bias
@@ -166,7 +181,7 @@ def test_float8_weight_crosses_the_boundary_as_its_inner_tensors():
     carrier.backward(g)
     assert torch.equal(handle.grad, g)
     other = weight(LinearMMConfig()._replace(output=LinearMMConfig().output._replace(emulate=True)))
-    assert boundary.flattened((Attach.apply(other, handle), bias), (None, None), crossings) is None
+    assert boundary.flattened((attached(other), bias), (None, None), crossings) is None
 
 
 def test_local_shards_are_to_local_in_one_autograd_node():
