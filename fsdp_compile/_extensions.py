@@ -20,8 +20,8 @@ Here, per compiled call:
   all-gather (``ops.py``: one buffer, as bytes where dtypes differ, as FSDP2's ``foreach_all_gather``
   packs them), and ``Attach`` (one node) rebuilds the parameter from the gathered outputs with
   ``fsdp_post_all_gather`` under ``no_grad`` and hands its gradient to the op's backward, which reduce-scatters
-  it with the unit's other gradients. The op sees a stand-in for the shard (``ShardGrad``: no memory, stride 0) whose gradient goes
-  to the local shard, hence to the DTensor's ``.grad``, as FSDP2's post-backward sets it;
+  it with the unit's other gradients. The op sees a stand-in for the shard (``ShardGrad``: no memory, stride
+  0) whose gradient goes to the local shard, hence to the DTensor's ``.grad``, as FSDP2's post-backward sets it;
 * a parameter that was a DTensor before ``fully_shard`` (TP, e.g. torchao's ``Float8ColwiseParallel`` /
   ``Float8RowwiseParallel``): what ``fsdp_post_all_gather`` rebuilt (its TP-local tensor) is wrapped as the
   DTensor of its TP plan, as FSDP2's ``init_unsharded_param`` wraps it (``capture.forward``), and its
