@@ -267,9 +267,9 @@ def _unshard_payloads(shards: Sequence[Tensor], args: UnshardArgs, payloads: Seq
     # on every rank (no padding: each rank's piece is already padded), with their torch implementation, FSDP2's
     # own copies (the Triton kernels take no bytes). Traced as torch ops (a cat; per piece a slice, a copy and
     # views) they were about 80 of a float8 Llama layer's 145 nodes in the forward graph, 80 of 139 in the backward.
-    sizes = [f.numel() for f in flats]
-    flat = K.all_gather_copy_in(flats, [(world_size * n,) for n in sizes], world_size, 0, impl="torch")
-    chunks = K.all_gather_copy_out(_all_gather(flat, c), [(world_size * n,) for n in sizes], world_size, impl="torch")
+    full_shapes = [(world_size * f.numel(),) for f in flats]
+    flat = K.all_gather_copy_in(flats, full_shapes, world_size, 0, impl="torch")
+    chunks = K.all_gather_copy_out(_all_gather(flat, c), full_shapes, world_size, impl="torch")
     outs, k = [], 0
     for shard, d, n in zip(shards, args.dim0s, args.payloads):
         for _ in range(max(n, 1)):

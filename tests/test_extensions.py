@@ -135,9 +135,9 @@ def test_torchao_float8_blocks_share_a_region(float8_all_gather):
 def test_float8_weight_crosses_the_boundary_as_its_inner_tensors():
     """Outside, a Float8TrainingTensor weight (what fsdp_post_all_gather built, its gradient going to the
     all-gather's output through ``_extensions.post_all_gather``) goes in as its float8 data, its scale and a
-    carrier that owns no memory; inside, it is rebuilt with the region's flatten context, and the plain gradient torchao's
-    matmul gives it reaches the all-gather's output unchanged. Another context than the region's: None (the
-    block runs inline)."""
+    carrier that owns no memory; inside, it is rebuilt with the region's flatten context, and the plain gradient
+    torchao's matmul gives it reaches the all-gather's output unchanged. Another context than the region's: None
+    (the block runs inline)."""
     pytest.importorskip("torchao.float8", reason="torchao (the test extra) is not installed")
     from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole, LinearMMConfig
 
