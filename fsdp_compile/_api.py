@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_flatten
 
 import torch.distributed as dist
 
-from fsdp_compile import _cudagraphs, _extensions, _fsdp2, capture
+from fsdp_compile import _cudagraphs, _extensions, _fsdp2, _gc, capture
 from fsdp_compile._agree import agree_max
 from fsdp_compile._torch._gloo import warn_if_racy_gloo
 from fsdp_compile.backend import CapturedGraphs, make_backend
@@ -139,7 +139,8 @@ class CompiledFSDPModule(nn.Module):
         if replays:
             self._arm_watchdog("the CUDA graphs replayed before this call of the compiled model")
         try:
-            with capture.active(self.config.regions, self._attachment.loggers), _named_collective_failures():
+            with (capture.active(self.config.regions, self._attachment.loggers), _named_collective_failures(),
+                  _gc.ours()):
                 out = step.compiled(key)(shards, sinks, accumulated, partials, extensions, *args, **kwargs)
         finally:
             capture.flush_logs()

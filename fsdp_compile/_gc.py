@@ -1,0 +1,86 @@
+"""Python's cyclic garbage collector, collecting less often while one of our compiles runs.
+
+A compile of the whole step as one graph allocates millions of small objects (FX nodes, fake tensors,
+sympy expressions, Inductor's IR), most of which outlive the compile's passes. CPython's generational
+collector runs a young collection every 700 net allocations and promotes what survives, so that the older
+generations are scanned again and again while they grow: the collections' cost grows faster than the
+graph. Measured on HF ``LlamaForCausalLM`` at 32 layers (one rank, fake process group, 2-core CPU, torch
+2.13): 3.3 s of a 38.4 s cold first step under Inductor, 1.6 s of 6.4 s under ``aot_eager``.
+
+While one of our compiles runs, the thresholds are raised (``THRESHOLDS``): a young collection every
+50,000 net allocations, and no full one unless a very long compile asks for it. Collection is not
+disabled and nothing is frozen, so garbage a compile makes is still collected, in fewer and larger
+passes; the thresholds in force before are restored when the compile ends. Thresholds the user raised
+further are kept, and a collector the user disabled (``gc.disable()`` or a threshold of 0) is left so.
+
+"One of our compiles" is a compile Dynamo starts during a call of a ``CompiledFSDPModule`` (the step's
+trace and its backend: AOTAutograd, our passes, Inductor's forward), and the lazy backward compile of the
+graphs such a compile produced (AOTAutograd runs it under the forward's compile id at the first backward).
+Both are found with Dynamo's compile callbacks (``torch._dynamo.callback_handler``), which run once per
+outermost compile; any other ``torch.compile`` in the process is left alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import threading
+
+THRESHOLDS = (50_000, 50, 1_000)  # while compiling: gc.set_threshold's (young, middle, old); CPython's: (700, 10, 10)
+
+_state = threading.local()  # .calls: depth of CompiledFSDPModule calls on this thread
+_ours: set[str] = set()  # compile ids of the Dynamo compiles started inside our calls
+_saved: list[tuple[int, int, int] | None] = []  # per compile entered: the thresholds to restore (None: left alone)
+_installed = False
+
+
+@contextlib.contextmanager
+def ours():
+    """Around a call of a compiled model: a compile Dynamo starts inside is one of ours."""
+    _install()
+    _state.calls = getattr(_state, "calls", 0) + 1
+    try:
+        yield
+    finally:
+        _state.calls -= 1
+
+
+def _install() -> None:
+    global _installed
+    if not _installed:
+        from torch._dynamo.callback import callback_handler
+
+        callback_handler.register_start_callback(_on_start)
+        callback_handler.register_end_callback(_on_end)
+        _installed = True
+
+
+def _on_start(args) -> None:
+    from torch._dynamo.callback import CallbackTrigger
+
+    mine = False
+    if args.callback_trigger == CallbackTrigger.DYNAMO and getattr(_state, "calls", 0):
+        _ours.add(args.compile_id)
+        mine = True
+    elif args.callback_trigger == CallbackTrigger.LAZY_BACKWARD:
+        mine = args.compile_id in _ours
+    _saved.append(_raise() if mine else None)
+
+
+def _on_end(args) -> None:
+    if _saved:  # callbacks registered while a compile was under way: its start was not seen
+        previous = _saved.pop()
+        if previous is not None:
+            gc.set_threshold(*previous)
+
+
+def _raise() -> tuple[int, int, int] | None:
+    """Raise the thresholds to at least ``THRESHOLDS``; the ones in force before, or None where nothing changed."""
+    previous = gc.get_threshold()
+    if not gc.isenabled() or previous[0] == 0:
+        return None
+    raised = tuple(max(p, t) for p, t in zip(previous, THRESHOLDS))
+    if raised == previous:
+        return None
+    gc.set_threshold(*raised)
+    return previous
