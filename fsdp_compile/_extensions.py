@@ -80,12 +80,18 @@ def read_spec(where: str, local: Tensor, args: tuple, post_forward: bool, world_
     inputs, metadata = pre_all_gather(where, local, spec, world_size)
     _flatten_metadata(where, metadata)
     outputs = tuple(t.new_empty((world_size * t.shape[0], *t.shape[1:])) for t in inputs)  # every rank's, uninitialized
+    param_dtype = (mp_policy.param_dtype if mp_policy else None) or local.dtype
     try:  # what it rebuilds (a tensor subclass cannot be a region's operand)
         with torch.no_grad():
-            full, _ = local.fsdp_post_all_gather(outputs, metadata, (mp_policy.param_dtype if mp_policy else None) or local.dtype)
+            full, _ = local.fsdp_post_all_gather(outputs, metadata, param_dtype)
     except Exception as e:
         raise RuntimeError(f"{where}: its fsdp_post_all_gather failed on tensors of the gathered inputs' shapes and "
                            f"dtypes, called once at compile time to see what it builds: {type(e).__name__}: {e}") from e
+    # checked here, before the trace: raised in it, Dynamo reports "Observed exception" and hides the message
+    if full.dtype != param_dtype or tuple(full.shape[1:]) != tuple(orig_size[1:]) or full.shape[0] < orig_size[0]:
+        raise NotImplementedError(
+            f"{where}: its fsdp_post_all_gather built {full.dtype} {tuple(full.shape)}, expected {param_dtype} of "
+            f"shape {tuple(orig_size)} (FSDP2's unsharded parameter in param_dtype, padding rows allowed)")
     plain = type(full) in (Tensor, torch.nn.Parameter)
     return dataclasses.replace(spec, input_bytes=sum(t.numel() * t.element_size() for t in inputs),
                                unsharded_kind="Tensor" if plain else type(full).__name__,

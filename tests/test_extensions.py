@@ -84,6 +84,38 @@ def test_refused_metadata_that_is_not_plain():
         _refused(llama(_OddMetadata), r"parameter '(output|layers\.0\.attention\.wq)\.weight'.*metadata holds \['object'\]")
 
 
+class _WrongDtype(Int8Gathered):
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        return _WrongDtype(inner["_tensor"], meta["qmax"])
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        full, inner = super().fsdp_post_all_gather(all_gather_outputs, metadata, param_dtype, out=out)
+        return full.double(), inner
+
+
+class _WrongShape(Int8Gathered):
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        return _WrongShape(inner["_tensor"], meta["qmax"])
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        full, inner = super().fsdp_post_all_gather(all_gather_outputs, metadata, param_dtype, out=out)
+        return full.t(), inner
+
+
+def test_refused_post_all_gather_of_another_dtype_or_shape():
+    """What ``fsdp_post_all_gather`` builds must be the parameter in ``param_dtype`` (FSDP2 uses it as the unsharded
+    parameter): checked when the plan is read, before any trace, naming the parameter, what it built and what was
+    expected (a check in the trace reached the user as Dynamo's "Observed exception", the message in its debug
+    context)."""
+    with fake_process_group(W):
+        _refused(llama(_WrongDtype), r"parameter '(output|layers\.0\.attention\.wq)\.weight'.*fsdp_post_all_gather "
+                 r"built torch\.float64 \(\d+, \d+\), expected torch\.float32 of shape \(\d+, \d+\)")
+        _refused(llama(_WrongShape), r"parameter '(output|layers\.0\.attention\.wq)\.weight'.*fsdp_post_all_gather "
+                 r"built torch\.float32 \(\d+, \d+\), expected")
+
+
 def test_adapter_reads_what_fsdp2_passes_fsdp_pre_all_gather():
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
