@@ -84,24 +84,19 @@ def test_refused_metadata_that_is_not_plain():
         _refused(llama(_OddMetadata), r"parameter '(output|layers\.0\.attention\.wq)\.weight'.*metadata holds \['object'\]")
 
 
-class _WrongDtype(Int8Gathered):
-    @staticmethod
-    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
-        return _WrongDtype(inner["_tensor"], meta["qmax"])
+def _misbuilt(build):
+    """Int8Gathered whose fsdp_post_all_gather returns ``build`` of the parameter it rebuilds."""
 
-    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
-        full, inner = super().fsdp_post_all_gather(all_gather_outputs, metadata, param_dtype, out=out)
-        return full.double(), inner
+    class Misbuilt(Int8Gathered):
+        def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+            full, inner = super().fsdp_post_all_gather(all_gather_outputs, metadata, param_dtype, out=out)
+            return build(full), inner
 
+        @staticmethod
+        def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+            return Misbuilt(inner["_tensor"], meta["qmax"])
 
-class _WrongShape(Int8Gathered):
-    @staticmethod
-    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
-        return _WrongShape(inner["_tensor"], meta["qmax"])
-
-    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
-        full, inner = super().fsdp_post_all_gather(all_gather_outputs, metadata, param_dtype, out=out)
-        return full.t(), inner
+    return Misbuilt
 
 
 def test_refused_post_all_gather_of_another_dtype_or_shape():
@@ -109,11 +104,11 @@ def test_refused_post_all_gather_of_another_dtype_or_shape():
     parameter): checked when the plan is read, before any trace, naming the parameter, what it built and what was
     expected (a check in the trace reached the user as Dynamo's "Observed exception", the message in its debug
     context)."""
+    where = r"parameter '(output|layers\.0\.attention\.wq)\.weight'.*fsdp_post_all_gather built "
     with fake_process_group(W):
-        _refused(llama(_WrongDtype), r"parameter '(output|layers\.0\.attention\.wq)\.weight'.*fsdp_post_all_gather "
-                 r"built torch\.float64 \(\d+, \d+\), expected torch\.float32 of shape \(\d+, \d+\)")
-        _refused(llama(_WrongShape), r"parameter '(output|layers\.0\.attention\.wq)\.weight'.*fsdp_post_all_gather "
-                 r"built torch\.float32 \(\d+, \d+\), expected")
+        _refused(llama(_misbuilt(lambda full: full.double())),
+                 where + r"torch\.float64 \(\d+, \d+\), expected torch\.float32 of shape \(\d+, \d+\)")
+        _refused(llama(_misbuilt(lambda full: full.t())), where + r"torch\.float32 \(\d+, \d+\), expected")
 
 
 def test_adapter_reads_what_fsdp2_passes_fsdp_pre_all_gather():
