@@ -36,7 +36,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from fsdp_compile import _record_cache
 from fsdp_compile._cudagraphs import Decision, Gate, aot_eager_compiler, backward_static_inputs, forward_static_inputs
 from fsdp_compile._annotations import fsdp_meta
-from fsdp_compile._torch import _dtensor
+from fsdp_compile._torch import _aot_cache, _dtensor
 from fsdp_compile._torch._invoke_subgraph import (
     region_aliases_patchable,
     region_outputs_alias_inputs,
@@ -136,10 +136,12 @@ def _is_backward(graph: torch.fx.Graph) -> bool:
 # (the attention kernel, the casts). Measured on torchtitan's DeepSeek-V3, whose attention enters sdpa_kernel and
 # whose MoE router leaves autocast: "Bypassing autograd cache due to: Unsupported call_function target", so
 # every warm start traced the whole step again. Keyed by the torch version that defines them.
+# Also Dynamo's trampoline for an autograd Function in the graph, which _torch/_aot_cache.py keys by the Function.
 CACHE_SAFE_FUNCTIONS = {
     name: torch.__version__
     for name in ("torch.nn.attention._backend_from_string", "torch.nn.attention._sdpa_kernel",
-                 "torch.amp.autocast_mode._enter_autocast", "torch.amp.autocast_mode._exit_autocast")
+                 "torch.amp.autocast_mode._enter_autocast", "torch.amp.autocast_mode._exit_autocast",
+                 _aot_cache.MARKED)
 }
 
 
@@ -348,7 +350,8 @@ def _inductor(gm, example_inputs, patches, captured, hook, stored: dict | None, 
         return out
 
     hits = counters["aot_autograd"]["autograd_cache_hit"]
-    with torch._functorch.config.patch(enable_autograd_cache=use_aot_cache and torch._functorch.config.enable_autograd_cache):
+    aot_cache = use_aot_cache and torch._functorch.config.enable_autograd_cache
+    with torch._functorch.config.patch(enable_autograd_cache=aot_cache), _aot_cache.keys():
         out = compile_fx(
             gm, example_inputs, inner_compile=inner_compile, decompositions=_DecompTable(_decomp_table()),
             config_patches=patches,

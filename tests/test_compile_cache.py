@@ -126,3 +126,93 @@ def test_restarts_and_other_ranks_are_served(tmp_path):
         assert 1 <= r["collectives"][0]["all_gathers"] <= 3 and 1 <= r["collectives"][1]["reduce_scatters"] <= 3, r
         assert max(abs(a - b) for a, b in r["losses"]) < 1e-5, (rank, r["losses"])
         assert max(r["grad_diff"]) < 1e-4 and r["param_diff"] < 1e-4, (rank, r["grad_diff"], r["param_diff"])
+
+
+ONE_RANK = r"""
+import json, sys, torch, torch.distributed as dist
+from torch._dynamo.utils import counters
+import fsdp_compile as fc
+from fsdp_compile.models import Llama, LlamaArgs, tensor_parallel
+from torch.distributed.fsdp import fully_shard
+
+kind, store = sys.argv[1], sys.argv[2]
+dist.init_process_group("gloo", init_method="file://" + store, rank=0, world_size=1)
+torch.manual_seed(0)
+model = Llama(LlamaArgs(vocab=256, dim=64, n_layers=2, n_heads=4, ffn_dim=128, max_seq=64))
+mesh = {}
+if kind == "float8":  # torchao's float8 Linears (emulated) with FSDP2's float8 all-gather: torchao's autograd Functions
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    config = Float8LinearConfig(enable_fsdp_float8_all_gather=True, emulate=True)
+    convert_to_float8_training(model, config=config, module_filter_fn=lambda _, fqn: fqn != "output")
+else:  # tensor parallelism on a 1 x 1 mesh: DeviceMesh inputs, the region boundary's DTensor crossings
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dp_tp = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+    tensor_parallel(model, dp_tp["tp"])
+    mesh = {"mesh": dp_tp["dp"]}
+for block in model.layers:
+    fully_shard(block, **mesh)
+fully_shard(model, **mesh)
+compiled = fc.compile(model)
+tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+out = compiled(tokens)
+loss = out.full_tensor() if hasattr(out, "full_tensor") else out
+loss = loss.float().logsumexp(-1).mean()
+loss.backward()
+grads = [p.grad.to_local().double().square().sum().item() for p in model.parameters()]
+print("RESULT " + json.dumps({"aot": {k: v for k, v in counters["aot_autograd"].items() if "cache" in k},
+                              "loss": loss.item(), "grads": grads, "records": len(compiled.captured.records)}))
+"""
+
+
+@pytest.mark.parametrize("kind", ["tp", "float8"])
+def test_restarts_of_graphs_with_autograd_functions_and_meshes_are_served(tmp_path, kind):
+    """AOTAutograd's cache serves the warm restart of a graph that calls autograd Functions (torchao's float8
+    matmul; the region boundary's DTensor crossings) and takes DeviceMeshes (TP): torch 2.13 cannot key either
+    (``_torch/_aot_cache.py``), so such restarts traced and partitioned the step again. One rank (gloo, world
+    size 1: real numbers), Inductor; the restart computes what the cold run computed, bit for bit."""
+    if kind == "float8":
+        pytest.importorskip("torchao.float8", reason="torchao (the test extra) is not installed")
+    script = tmp_path / "one_rank.py"
+    script.write_text(ONE_RANK)
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache"), "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+    runs = []
+    for job in ("cold", "warm"):
+        p = subprocess.run([sys.executable, str(script), kind, str(tmp_path / f"store_{job}")], env=env,
+                           capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stderr[-3000:]
+        runs.append(json.loads(next(x for x in p.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT "):]))
+    cold, warm = runs
+    assert cold["aot"].get("autograd_cache_saved", 0) >= 1 and not cold["aot"].get("autograd_cache_bypass"), cold
+    assert warm["aot"].get("autograd_cache_hit", 0) >= 1 and not warm["aot"].get("autograd_cache_bypass"), warm
+    assert (warm["loss"], warm["grads"]) == (cold["loss"], cold["grads"]) and warm["records"] == cold["records"] == 2
+
+
+def test_autograd_function_and_mesh_keys():
+    """What ``_torch/_aot_cache.py`` keys: a trampoline by its Function's class, source and package version
+    (two classes, two keys; the same class, the same key), anything else as torch keys it; a DeviceMesh by its
+    layout and process group names, the same for the same mesh in any process."""
+    import torch
+    from torch._dynamo.variables.misc import produce_trampoline_autograd_apply
+    from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCachePickler
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dist_helpers import fake_process_group
+    from fsdp_compile._extensions import Attach, LocalShards
+    from fsdp_compile._torch import _aot_cache
+
+    plain = AOTAutogradCachePickler._format_global_for_cache_key("torch", torch)
+    with _aot_cache.keys():
+        fmt = AOTAutogradCachePickler._format_global_for_cache_key
+        a = fmt("f", produce_trampoline_autograd_apply(Attach))
+        b = fmt("f", produce_trampoline_autograd_apply(LocalShards))
+        assert a == fmt("f", produce_trampoline_autograd_apply(Attach)) and a != b
+        assert a.startswith("# cache_key_autograd_function f: fsdp_compile._extensions.Attach "), a
+        assert fmt("torch", torch) == plain
+    with pytest.raises(Exception, match="was not found"):  # restored: torch's own, which cannot name it
+        AOTAutogradCachePickler._format_global_for_cache_key("f", produce_trampoline_autograd_apply(Attach))
+    with fake_process_group(4):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        key = _aot_cache._mesh_key(mesh)
+        assert key[:5] == ("DeviceMesh", "cpu", (2, 2), [0, 1, 2, 3], ("dp", "tp")) and len(key[5]) == 2, key

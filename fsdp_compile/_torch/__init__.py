@@ -34,6 +34,10 @@ _size_branches.py     Dynamo cannot guard on a data-dependent size  2.13.0      
 _grad_fn.py           Dynamo cannot read the grad_fn of a tensor    2.14.1          Dynamo answers grad_fn is None there,
                       computed in the graph (spmd_types'                            or spmd_types stops reading it
                       collectives: x.grad_fn is None)
+_aot_cache.py         AOTAutograd's cache key cannot name Dynamo's  2.13.0          Dynamo names its trampolines
+                      trampoline for an autograd Function in the                    importably, and DeviceMesh pickles
+                      graph, and pickles a DeviceMesh input                         the same in every process
+                      differently in every process
 ====================  ============================================  ==============  ====================================
 
 Not here, because each is a decision that lives with the code it steers: ``_fsdp2.py`` (the one reader of

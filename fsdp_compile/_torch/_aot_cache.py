@@ -1,0 +1,91 @@
+"""AOTAutograd's cache key for two kinds of graphs it cannot key (torch 2.13), while our compiles run.
+
+* **An autograd Function in the graph.** Dynamo calls an ``allow_in_graph`` autograd Function (ours:
+  ``_extensions.Attach``, TP's ``_DataParallelDTensor``, the region boundary's DTensor crossings; torchao's
+  float8 matmul) through a trampoline it makes per class, a local function, which the key's import block
+  cannot name: "Bypassing autograd cache due to: <function ...trampoline_autograd_apply...> was not found as
+  torch._dynamo.variables.misc.produce_trampoline_autograd_apply.<locals>.trampoline_autograd_apply". Every
+  warm start of a TP or float8 model then traced and partitioned the step again (the FX graph cache still
+  served Inductor). Keyed here by the class's module, qualified name and source text, and its package's
+  version (what the class calls: torchao's float8 code; our own source is in the key already, through our
+  passes' ``uuid``); a class whose source cannot be read still bypasses. AOTAutograd traces through the
+  Function, so its cached graphs do not call it.
+* **A DeviceMesh among the graph's inputs** (TP/EP layouts, an opaque object in 2.13): the key pickles the
+  mesh itself, with the pickler's memo switched on midway, and the bytes differ from process to process,
+  so a warm start missed. Keyed here by what a compiled graph depends on: device type, shape, ranks, dimension
+  names and each dimension's process group name (the names the graph's collectives name).
+
+``keys()`` patches both only while our backend compiles; ``MARKED`` is the name AOTAutograd's node check
+reads for the trampoline (``torch._inductor.config.unsafe_marked_cacheable_functions``, set by the backend).
+Checked on 2.13.0 (``tests/test_compile_cache.py``). Goes when Dynamo names its trampolines importably (or
+keys the Function itself) and DeviceMesh pickles the same in every process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import inspect
+import pickle
+import sys
+
+import torch
+
+MARKED = "torch._dynamo.variables.misc.trampoline_autograd_apply"
+
+
+def _function_class(obj) -> type | None:
+    """The autograd Function class of a Dynamo trampoline, or None."""
+    if getattr(obj, "__name__", None) != "trampoline_autograd_apply" or not getattr(obj, "__closure__", None):
+        return None
+    for cell in obj.__closure__:
+        value = cell.cell_contents
+        if isinstance(value, type) and issubclass(value, torch.autograd.Function):
+            return value
+    return None
+
+
+def _function_key(name: str, cls: type) -> str:
+    try:
+        source = inspect.getsource(cls)
+    except (OSError, TypeError) as e:  # AOTAutograd turns a pickling error into a bypass, as before
+        raise pickle.PicklingError(f"autograd Function {cls.__qualname__}: no source to key it by ({e})") from e
+    digest = hashlib.sha256(source.encode()).hexdigest()
+    package = sys.modules.get(cls.__module__.partition(".")[0])  # torchao: its version keys what the class calls
+    version = getattr(package, "__version__", "")
+    return f"# cache_key_autograd_function {name}: {cls.__module__}.{cls.__qualname__} {digest} {version}"
+
+
+def _mesh_key(mesh) -> tuple:
+    return ("DeviceMesh", mesh.device_type, tuple(mesh.mesh.shape), mesh.mesh.flatten().tolist(), mesh.mesh_dim_names,
+            tuple(mesh.get_group(i).group_name for i in range(mesh.ndim)))
+
+
+@contextlib.contextmanager
+def keys():
+    from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCachePickler
+    from torch._inductor import codecache
+    from torch.distributed.device_mesh import DeviceMesh
+
+    format_global = AOTAutogradCachePickler.__dict__.get("_format_global_for_cache_key")
+    reduce_script_object = getattr(codecache.FxGraphCachePickler, "_reduce_fake_script_object", None)
+    if not isinstance(format_global, staticmethod) or reduce_script_object is None or not hasattr(codecache, "_ident"):
+        yield  # another torch: its own keys, as they are
+        return
+
+    def _format_global_for_cache_key(name, obj):
+        cls = _function_class(obj)
+        return _function_key(name, cls) if cls is not None else format_global.__func__(name, obj)
+
+    def _reduce_fake_script_object(self, t):
+        if isinstance(t.real_obj, DeviceMesh):
+            return codecache._ident, (_mesh_key(t.real_obj), t.script_class_name)
+        return reduce_script_object(self, t)
+
+    AOTAutogradCachePickler._format_global_for_cache_key = staticmethod(_format_global_for_cache_key)
+    codecache.FxGraphCachePickler._reduce_fake_script_object = _reduce_fake_script_object
+    try:
+        yield
+    finally:
+        AOTAutogradCachePickler._format_global_for_cache_key = format_global
+        codecache.FxGraphCachePickler._reduce_fake_script_object = reduce_script_object
