@@ -26,18 +26,18 @@ import contextlib
 import gc
 import threading
 
+from torch._dynamo.callback import CallbackTrigger, callback_handler
+
 THRESHOLDS = (50_000, 50, 1_000)  # while compiling: gc.set_threshold's (young, middle, old); CPython's: (700, 10, 10)
 
 _state = threading.local()  # .calls: depth of CompiledFSDPModule calls on this thread
 _ours: set[str] = set()  # compile ids of the Dynamo compiles started inside our calls
 _saved: list[tuple[int, int, int] | None] = []  # per compile entered: the thresholds to restore (None: left alone)
-_installed = False
 
 
 @contextlib.contextmanager
 def ours():
     """Around a call of a compiled model: a compile Dynamo starts inside is one of ours."""
-    _install()
     _state.calls = getattr(_state, "calls", 0) + 1
     try:
         yield
@@ -45,19 +45,7 @@ def ours():
         _state.calls -= 1
 
 
-def _install() -> None:
-    global _installed
-    if not _installed:
-        from torch._dynamo.callback import callback_handler
-
-        callback_handler.register_start_callback(_on_start)
-        callback_handler.register_end_callback(_on_end)
-        _installed = True
-
-
 def _on_start(args) -> None:
-    from torch._dynamo.callback import CallbackTrigger
-
     mine = False
     if args.callback_trigger == CallbackTrigger.DYNAMO and getattr(_state, "calls", 0):
         _ours.add(args.compile_id)
@@ -68,7 +56,7 @@ def _on_start(args) -> None:
 
 
 def _on_end(args) -> None:
-    if _saved:  # callbacks registered while a compile was under way: its start was not seen
+    if _saved:  # this module imported while a compile was under way: its start was not seen
         previous = _saved.pop()
         if previous is not None:
             gc.set_threshold(*previous)
@@ -84,3 +72,8 @@ def _raise() -> tuple[int, int, int] | None:
         return None
     gc.set_threshold(*raised)
     return previous
+
+
+# registered once, on import: outside our calls and their lazy backward compiles they leave the thresholds alone
+callback_handler.register_start_callback(_on_start)
+callback_handler.register_end_callback(_on_end)
