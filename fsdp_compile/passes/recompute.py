@@ -18,8 +18,7 @@ partitions a region on its own, and its forward part hands its inputs (the gathe
 of them to its backward part as saved values; at top level those are outputs of the forward region call,
 which the partitioner must save, so nothing would be re-gathered and every block's full parameters would
 live from forward to backward. ``_rewire_region_inputs`` gives each backward region call the top-level
-value instead (re-applying the view chain at top level, or none where the chain gives its base back): the
-same tensor, which the tags then recompute.
+value instead (re-applying the view chain at top level): the same tensor, which the tags then recompute.
 """
 
 from __future__ import annotations
@@ -29,7 +28,6 @@ from collections.abc import Mapping
 
 import torch
 import torch.fx as fx
-from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
 from torch.utils.checkpoint import CheckpointPolicy
 
 from fsdp_compile._annotations import chains, fsdp_group, gradient_dependent
@@ -151,19 +149,6 @@ def _as_input(out: fx.Node) -> tuple[int, list[fx.Node]] | None:
     return list(out.graph.find_nodes(op="placeholder")).index(out), chain[::-1]
 
 
-def _identity(views: list[fx.Node]) -> bool:
-    """Whether the view chain ``views`` (from ``_as_input``) gives its base back: the same shape, strides and
-    offset, by the subgraph's fake tensors (AOTAutograd saves a linear's weight for its backward as ``t(t(w))``,
-    which re-applied at top level costs two nodes per weight per layer in every later pass)."""
-    if not views:
-        return True
-    base, out = views[0].args[0].meta.get("val"), views[-1].meta.get("val")
-    if not (isinstance(base, torch.Tensor) and isinstance(out, torch.Tensor)):
-        return False
-    return base.dtype == out.dtype and statically_known_true(sym_eq(
-        (*base.shape, *base.stride(), base.storage_offset()), (*out.shape, *out.stride(), out.storage_offset())))
-
-
 def _views_of_unshard(value, unshard: set[fx.Node]) -> list[fx.Node] | None:
     """The view nodes from an unshard chain node to ``value`` ([] where ``value`` is one), or None where it is
     not such a view: a TP parameter enters its region as the local tensor of the DTensor built on the gathered
@@ -200,8 +185,6 @@ def _rewire_region_inputs(gm: fx.GraphModule) -> int:
                 continue
             for view in between:  # recomputed from the chain, not saved (a saved view keeps its whole base)
                 view.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-            if _identity(views):  # t(t(w)), a linear's saved weight: the tensor itself, no top-level nodes
-                views = []
             with graph.inserting_before(call):
                 for view in views:
                     value = graph.call_function(view.target, (value, *view.args[1:]), dict(view.kwargs))
