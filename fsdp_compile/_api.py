@@ -88,7 +88,8 @@ class CompiledFSDPModule(nn.Module):
     eagerly with FSDP2's own hooks.
     """
 
-    def __init__(self, model: nn.Module, plan: ShardingPlan, config: CompileConfig, *, codegen: bool = True):
+    def __init__(self, model: nn.Module, plan: ShardingPlan, config: CompileConfig, *, codegen: bool = True,
+                 stages: bool = False):
         super().__init__()
         self._orig_mod = model
         self.plan = plan
@@ -100,6 +101,7 @@ class CompiledFSDPModule(nn.Module):
         ))
         self.schedule: Schedule | None = None  # planned at the first call (it needs the agreed workload)
         self._codegen = codegen
+        self._stages = stages  # keep each graph's readable stages in its PassRecord (explain's dumps)
         self._groups = param_groups(model)  # [(fqn, FSDP state, param group)]: FSDP2's runtime settings
         self._settings: tuple = ()  # ((fqn, _fsdp2.Settings), ...) as read at the current call
         self._plan_settings = settings_key(self._groups)  # ... as they were when self.plan was read
@@ -306,7 +308,8 @@ class CompiledFSDPModule(nn.Module):
             # its own code object: Dynamo keeps its compiled entries (and its recompile limit, 8 by default)
             # per code object, so one process can hold many compiled models without their guards evicting each other
             fn = capture._unique_code(fn, f"fsdp_compile_step_{next(_instances)}")
-            backend = make_backend(cfg, plan, schedule, self.cost_model, self.captured, codegen=self._codegen)
+            backend = make_backend(cfg, plan, schedule, self.cost_model, self.captured, codegen=self._codegen,
+                                   stages=self._stages)
             return torch.compile(fn, backend=backend, fullgraph=True)
 
         return _Step(self._orig_mod, self.plan, schedule, build)

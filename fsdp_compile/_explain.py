@@ -28,16 +28,18 @@ def explain(model: nn.Module, *example_args, config: CompileConfig | None = None
     Collectives run for real on a real process group (call it on every rank) and are no-ops on the
     fake one; a model entirely on the meta device is captured at full size without memory.
     """
-    return explain_with_graphs(model, example_args, example_kwargs, config)[0]
+    return explain_with_graphs(model, example_args, example_kwargs, config, stages=False)[0]
 
 
-def explain_with_graphs(model: nn.Module, example_args, example_kwargs, config: CompileConfig | None = None):
-    """``explain``, also returning the ``CapturedGraphs`` (every stage's graph, for dumps)."""
+def explain_with_graphs(model: nn.Module, example_args, example_kwargs, config: CompileConfig | None = None,
+                        stages: bool = True):
+    """``explain``, also returning the ``CapturedGraphs`` (with ``stages``, every stage's graph in the records,
+    for dumps; ``explain`` itself, which returns only the report, keeps none)."""
     if isinstance(model, CompiledFSDPModule):
         config, model = config or model.config, model._orig_mod
     _check_model_kwargs(model, example_kwargs or {})
     config, plan = _prepare(model, config, {})
-    compiled = CompiledFSDPModule(model, plan, config, codegen=False)
+    compiled = CompiledFSDPModule(model, plan, config, codegen=False, stages=stages)
     from torch._dynamo.utils import counters
 
     breaks_before = sum(counters["graph_break"].values())
