@@ -104,7 +104,7 @@ import _harness as H  # noqa: E402
 import fsdp_compile as fc  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "tests"))
 from eager_calls import count_eager_collectives  # noqa: E402  (the tests' instrumentation)
-from fsdp_compile.models import SIZES, Llama, LlamaArgs, llama_blocks, tensor_parallel  # noqa: E402
+from fsdp_compile.models import SIZES, Llama, LlamaArgs, gloo_float8_all_gather, llama_blocks, tensor_parallel  # noqa: E402
 from fsdp_compile.report import collective_bytes, count_collectives  # noqa: E402
 
 HF_VOCAB = 4096
@@ -126,22 +126,6 @@ def float8(model: torch.nn.Module, model_name: str, device: torch.device, all_ga
     config = Float8LinearConfig(enable_fsdp_float8_all_gather=all_gather, emulate=emulate)
     output = "lm_head" if model_name == "hf-llama" else "output"
     convert_to_float8_training(model, config=config, module_filter_fn=lambda _, fqn: fqn != output)
-
-
-def gloo_float8_all_gather() -> None:
-    """gloo has no float8 dtypes (all-gathering one fails: "Invalid scalar type"; NCCL has them), and
-    torchao's float8 TP all-gathers float8 activations (PrepareFloat8ModuleInput's sequence all-gather, the
-    e5m2 gradients in backward): on gloo this process gathers their bytes as uint8 instead, the same bytes.
-    FSDP2's float8 weight all-gather is uint8 already."""
-    from torchao.float8 import float8_ops
-
-    gather = float8_ops.FLOAT8_OPS_TABLE[torch.ops._c10d_functional.all_gather_into_tensor.default]
-
-    def as_bytes(aten_op, args, kwargs=None):
-        return gather(lambda data, *a, **k: aten_op(data.view(torch.uint8), *a, **k).view(data.dtype), args, kwargs)
-
-    for op in (torch.ops.c10d_functional.all_gather_into_tensor.default, torch.ops._c10d_functional.all_gather_into_tensor.default):
-        float8_ops.FLOAT8_OPS_TABLE[op] = as_bytes
 
 
 def simple_fsdp_missing() -> str | None:

@@ -178,6 +178,26 @@ def tensor_parallel(model: Llama, tp_mesh, loss_parallel: bool = False, float8: 
     return model
 
 
+def gloo_float8_all_gather() -> None:
+    """For ``tensor_parallel(float8=True)`` on gloo, called once in each process that runs it (idempotent).
+    gloo has no float8 dtypes (all-gathering one fails: "Invalid scalar type"; NCCL has them), and torchao's
+    float8 TP all-gathers float8 activations (PrepareFloat8ModuleInput's sequence all-gather, the e5m2
+    gradients in backward): in this process torchao gathers their bytes as uint8 instead, the same bytes.
+    FSDP2's float8 weight all-gather is uint8 already."""
+    from torchao.float8 import float8_ops
+
+    gather = float8_ops.FLOAT8_OPS_TABLE[torch.ops._c10d_functional.all_gather_into_tensor.default]
+    if getattr(gather, "as_bytes", False):
+        return
+
+    def as_bytes(aten_op, args, kwargs=None):
+        return gather(lambda data, *a, **k: aten_op(data.view(torch.uint8), *a, **k).view(data.dtype), args, kwargs)
+
+    as_bytes.as_bytes = True
+    for op in (torch.ops.c10d_functional.all_gather_into_tensor.default, torch.ops._c10d_functional.all_gather_into_tensor.default):
+        float8_ops.FLOAT8_OPS_TABLE[op] = as_bytes
+
+
 def llama_blocks(model: Llama):
     """The modules to shard one by one before the root (as torchtitan does)."""
     return list(model.layers)

@@ -566,6 +566,31 @@ def test_tp_hooks_compared_per_kind(gloo_world_1):
     assert "'b.0' runs a forward set on it" in block_hooks.hooks_reason(blocks, fqns)
 
 
+def test_named_tuples_in_hooks_compared_by_value(gloo_world_1):
+    """A hook's NamedTuple (each block's own ``LinearMMConfig`` in torchao's ``PrepareFloat8ModuleInput``) is
+    compared by its type and fields, not by identity: equal ones in every block keep the kind one region."""
+    import functools
+    from typing import NamedTuple
+
+    from fsdp_compile.capture import block_hooks
+
+    class Config(NamedTuple):
+        emulate: bool
+        scale: float
+
+    class Other(NamedTuple):
+        emulate: bool
+        scale: float
+
+    blocks, _ = _tp_blocks(3)
+    fqns = ["b.0", "b.1", "b.2"]
+    configs = [Config(True, 1.0), Config(True, 1.0), Other(True, 1.0)]  # equal fields, b.2's another type
+    for b, config in zip(blocks, configs):
+        b[0].register_forward_pre_hook(functools.partial(_layout_hook, config))
+    assert block_hooks.hooks_reason(blocks[:2], fqns[:2]) is None
+    assert "'b.2' (0._forward_pre_hooks)" in block_hooks.hooks_reason(blocks, fqns)
+
+
 def test_dtensor_crosses_the_boundary_as_its_local_tensor(gloo_world_1):
     """Outside, a DTensor parameter goes in as ``to_local()``; inside, ``rebuilt`` gives a DTensor of its spec
     whose backward hands a Partial gradient back redistributed to the parameter's placements (what

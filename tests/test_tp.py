@@ -216,23 +216,28 @@ def test_per_parameter_meshes_one_unit_per_group():
     assert units == [(k,) for k in keys] and issue_at["layers.1"] == issue_at["layers.1@efsdp"] == "layers.0"
 
 
-def test_llama_float8_tensor_parallel_gathers_float8_activations():
+@pytest.mark.parametrize("all_gather", [True, False], ids=["float8_all_gather", "bf16_all_gather"])
+def test_llama_float8_tensor_parallel_gathers_float8_activations(all_gather):
     """``models.tensor_parallel(float8=True)`` (``bench/scale_sim.py --tp --float8``, issue 46): torchao's float8
-    TP styles on torchtitan's Llama plan compile as one graph, FSDP's all-gathers carry bytes (uint8) and TP's
-    sequence all-gathers carry float8 activations (PrepareFloat8ModuleInput casts before redistributing)."""
+    TP styles on torchtitan's Llama plan compile as one graph, FSDP's all-gathers carry bytes (uint8) with the
+    float8 all-gather, and TP's sequence all-gathers carry float8 activations (PrepareFloat8ModuleInput casts
+    before redistributing). The blocks are one region (issue 48), with or without the float8 all-gather:
+    their hooks hold equal ``LinearMMConfig``s, and the float8 DTensor activations inside trace as a region
+    (``_torch/_nested_subclasses.py``)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     from fsdp_compile.debug import explain_graphs
     from fsdp_compile.models import Llama, LlamaArgs, tensor_parallel
-    from fsdp_compile.passes.predicates import collectives
+    from fsdp_compile.passes.predicates import collective_kind
+    from fsdp_compile.report import _with_region_bodies
 
     with fake_process_group(4, rank=1):
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         torch.manual_seed(0)
         model = Llama(LlamaArgs(n_layers=2))
-        config = Float8LinearConfig(enable_fsdp_float8_all_gather=True, emulate=True)
+        config = Float8LinearConfig(enable_fsdp_float8_all_gather=all_gather, emulate=True)
         convert_to_float8_training(model, config=config, module_filter_fn=lambda _, fqn: fqn != "output")
         tensor_parallel(model, mesh["tp"], loss_parallel=True, float8=True)
         for block in model.layers:
@@ -240,6 +245,8 @@ def test_llama_float8_tensor_parallel_gathers_float8_activations():
         fully_shard(model, mesh=mesh["dp"])
         report, captured = explain_graphs(model, torch.randint(0, 256, (2, 16)), config=fc.CompileConfig(backend="aot_eager"))
         assert report.graph_breaks == 0 and report.dynamo_graphs == 1
-        gathered = [n.meta["val"].dtype for n in collectives(captured.forward[0].graph, "all_gather")]
+        forward = captured.forward[0]  # with each region call's body in its place: TP's gathers are inside
+        gathered = [n.meta["val"].dtype for n in _with_region_bodies(forward) if collective_kind(n) == "all_gather"]
         # per block: one float8 sequence all-gather into attention, one into the MLP
-        assert gathered.count(torch.float8_e4m3fn) == 4 and torch.uint8 in gathered
+        assert gathered.count(torch.float8_e4m3fn) == 4 and (torch.uint8 in gathered) == all_gather
+        assert report.regions == [{"blocks": ["layers.0", "layers.1"], "region": True, "why": None}]

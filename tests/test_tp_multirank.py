@@ -38,6 +38,9 @@ if importlib.util.find_spec("torchao") is not None:  # the test extra
     # torchao's float8 Linears with FSDP2's float8 all-gather and torchao's float8 TP plan (issue 46 item 1); the
     # scales precomputed after each optimizer step, so step 1 all-reduces the amax in fsdp_pre_all_gather, step 2 not
     CASES += [TPCase(model="mlp", float8=True), TPCase(model="mlp", float8=True, mp="bf16", reshard=False)]
+    # torchtitan's float8 TP plan on the Llama (float8 sequence all-gathers, as bytes on gloo): one region, its
+    # float8 DTensor activations inside (issue 48), bitwise against eager and against regions off
+    CASES += [TPCase(model="llama", float8=True, inline=True)]
 INDUCTOR = TPCase(model="mlp", backend="inductor")
 
 
@@ -96,7 +99,8 @@ def test_float8_all_gather_with_tp_gathers_one_byte_per_element(results, case):
         assert r["local_types"] == ["Tensor", "WeightWithDynamicFloat8CastTensor"]
         gathers = r["dp_gathers"]
         assert gathers.count(("torch.uint8", r["float8_block_bytes"])) == 2, gathers  # one per block
-        assert r["plan_bytes"]["blocks.0"] == r["plan_bytes"]["blocks.1"] == 2 * r["float8_block_bytes"]
+        blocks = ("blocks.0", "blocks.1") if case.model == "mlp" else ("layers.0", "layers.1")
+        assert r["plan_bytes"][blocks[0]] == r["plan_bytes"][blocks[1]] == 2 * r["float8_block_bytes"]
         assert sum(b for _, b in gathers) == sum(r["plan_bytes"].values()) // 2  # one rank's inputs of every unit
 
 

@@ -20,7 +20,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
 
-from fsdp_compile.models import Llama, LlamaArgs, tensor_parallel
+from fsdp_compile.models import Llama, LlamaArgs, gloo_float8_all_gather, tensor_parallel
 from parity import max_diff
 
 
@@ -49,8 +49,10 @@ class TPCase:
     # which FSDP2's lazy init then points at the one); "before": tied again between the TP plan and fully_shard
     tied: str | None = None
     micro: int = 1  # backward calls per optimizer step, each reduce-scattered into .grad (torchtitan's accumulation)
-    # mlp: torchao's float8 Linears with FSDP2's float8 all-gather, TP by torchao's Float8ColwiseParallel /
-    # Float8RowwiseParallel (emulated matmuls: they run on a CPU); the head stays a plain Linear
+    # torchao's float8 Linears with FSDP2's float8 all-gather (emulated matmuls: they run on a CPU), the head
+    # (mlp) or output (llama) a plain Linear. mlp: TP by torchao's Float8ColwiseParallel / Float8RowwiseParallel
+    # with the input cast on the block itself; llama: torchtitan's float8 TP plan (models.tensor_parallel(float8=True):
+    # each block's attention and MLP input cast to float8 before its sequence all-gather, which gloo carries as bytes)
     float8: bool = False
     # a second compiled model with regions off, trained beside the first and checked bitwise too (the
     # differential guard, as parity.Case.inline): a region must compute what the inline compile computes
@@ -274,14 +276,15 @@ def build(case: TPCase):
     if case.model == "mlp":
         m = MLP(hidden=32 if case.float8 else 24)  # torchao's float8 needs dims that are multiples of 16
         blocks = list(m.blocks)
-        if case.float8:
-            from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
-            config = Float8LinearConfig(enable_fsdp_float8_all_gather=True, emulate=True)
-            convert_to_float8_training(m, config=config, module_filter_fn=lambda _, fqn: fqn != "head")
     else:
         m = Llama(LlamaArgs(n_layers=2, tie_embeddings=case.tied is not None))
         blocks = list(m.layers)
+    if case.float8:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        config = Float8LinearConfig(enable_fsdp_float8_all_gather=True, emulate=True)
+        plain = "head" if case.model == "mlp" else "output"
+        convert_to_float8_training(m, config=config, module_filter_fn=lambda _, fqn: fqn != plain)
     if case.ac:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
@@ -299,7 +302,7 @@ def build(case: TPCase):
                     input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)))
             parallelize_module(inner, tp_mesh, _mlp_tp_plan(case.float8))
     else:
-        tensor_parallel(_unwrapped(m, case.ac), tp_mesh, loss_parallel=True)
+        tensor_parallel(_unwrapped(m, case.ac), tp_mesh, loss_parallel=True, float8=case.float8)
         if case.tied == "before":  # parallelize_module distributed each alias into a parameter of its own
             m.output.weight = m.tok_embeddings.weight
     blocks = list(m.blocks if case.model == "mlp" else m.layers)
@@ -425,7 +428,7 @@ def run_tp_case(case: TPCase) -> dict:
                              for n in graphs[0].graph.nodes if collective_kind(n) and dims.get(process_group_name(n)) == "dp"
                              and n.target is torch.ops._c10d_functional.all_gather_into_tensor.default]
         out["plan_bytes"] = {g.fqn: g.unsharded_bytes for g in compiled.plan.groups}
-        block = model.blocks[0]
+        block = (model.blocks if case.model == "mlp" else model.layers)[0]
         itemsize = 2 if case.mp == "bf16" else 4
         out["float8_block_bytes"] = sum(p.to_local().numel() * (1 if p.dim() == 2 else itemsize) for p in block.parameters())
         out["local_types"] = sorted({type(p.to_local()).__name__ for p in model.parameters()})
@@ -466,4 +469,6 @@ def _dcp_round_trip(case: TPCase, compiled, model) -> dict:
 
 
 def tp_worker(rank: int, world_size: int, cases: list[TPCase]) -> dict:
+    if any(case.float8 for case in cases):
+        gloo_float8_all_gather()
     return {case.name: run_tp_case(case) for case in cases}

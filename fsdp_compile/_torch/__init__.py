@@ -34,6 +34,12 @@ _size_branches.py     Dynamo cannot guard on a data-dependent size  2.13.0      
 _grad_fn.py           Dynamo cannot read the grad_fn of a tensor    2.14.1          Dynamo answers grad_fn is None there,
                       computed in the graph (spmd_types'                            or spmd_types stops reading it
                       collectives: x.grad_fn is None)
+_nested_subclasses.py Dynamo's region checks unwrap a tensor        2.13.0, 2.14.1  _collect_fake_inputs recurses, and a
+                      subclass one level; a region body's                           region body's functionalization
+                      functionalization hands ops autograd would                    decomposes as autograd would
+                      decompose to a subclass whole (torchao's
+                      float8 x TP: a DTensor of a Float8Training-
+                      Tensor)
 _aot_cache.py         AOTAutograd's cache key cannot name Dynamo's  2.13.0          Dynamo names its trampolines
                       trampoline for an autograd Function in the                    importably, and DeviceMesh pickles
                       graph, and pickles a DeviceMesh input                         the same in every process
@@ -45,6 +51,29 @@ FSDP2's private state, a version-checked adapter), ``backend.py``'s Inductor set
 (``REGIONS_SOUND_UNDER_INDUCTOR``), ``passes/regions.py``'s and ``capture/regions.py``'s reasons to compile
 a block inline instead of as a region.
 """
+
+from __future__ import annotations
+
+import contextlib
+
+_ABSENT = object()
+
+
+@contextlib.contextmanager
+def patched(*changes: tuple[object, str, object]):
+    """Within the block, each ``(owner, name, value)`` of ``changes`` set; after it, each owner's own attribute
+    put back as it was, or deleted where the owner had only inherited it (a class's, a module's)."""
+    saved = [(owner, name, vars(owner).get(name, _ABSENT)) for owner, name, _ in changes]
+    for owner, name, value in changes:
+        setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        for owner, name, old in reversed(saved):
+            if old is _ABSENT:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, old)
 
 
 def wrapped(error: BaseException, cls: type) -> BaseException | None:

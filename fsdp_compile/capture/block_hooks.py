@@ -120,6 +120,8 @@ def _described(obj, paths: dict, depth: int = 0):
         return mesh_key(obj)
     if type(obj) in (tuple, list):
         return (type(obj).__name__, tuple(d(o) for o in obj))
+    if isinstance(obj, tuple) and hasattr(type(obj), "_fields"):  # a NamedTuple (torchao's LinearMMConfig)
+        return ("namedtuple", type(obj), tuple(d(o) for o in obj))
     if type(obj) is dict and all(isinstance(k, str) for k in obj):
         return ("dict", tuple((k, d(v)) for k, v in obj.items()))
     if isinstance(obj, functools.partial):

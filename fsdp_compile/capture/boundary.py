@@ -37,10 +37,9 @@ exists only inside the traced step), equal for every block of the kind (``subcla
 the traced subclass's at every call (Dynamo folds it: the context is Python metadata), the block running
 inline where it differs. The subclass's gradient (torchao's float8 matmul gives its weight a plain one) leaves
 the region through the carrier unchanged, to ``_extensions.Attach`` and the reduce-scatter, as inline. A TP
-parameter's DTensor of such a subclass (torchao's float8 x TP) is kept inline (``INLINE_SUBCLASS_PARALLEL``):
-``flattened`` / ``rebuilt`` would take it (its local tensor flattened, rebuilt, then made the DTensor), but
-torchao's float8 TP blocks fail Dynamo's region trace, measured without the float8 all-gather too (their hooks,
-which hold each block's own ``LinearMMConfig``, keep them inline before that).
+parameter's DTensor of such a subclass (torchao's float8 x TP) crosses the same way: its local tensor flattened,
+rebuilt inside, then made the DTensor. The float8 activations such blocks make inside (a DTensor of a
+``Float8TrainingTensor``) need two torch fixes to trace as a region (``_torch/_nested_subclasses.py``).
 """
 
 from __future__ import annotations
@@ -66,11 +65,6 @@ INLINE_PARALLEL_DIFFERS = (
 INLINE_SUBCLASS = (
     "fsdp_post_all_gather rebuilds its parameter {fqn!r} as a {kind}, which does not flatten to plain inner tensors "
     "(__tensor_flatten__), and torch 2.13's invoke_subgraph takes no tensor subclass operands"
-)
-INLINE_SUBCLASS_PARALLEL = (
-    "fsdp_post_all_gather rebuilds its parameter {fqn!r} as a {kind} inside a DTensor of tensor parallelism; not "
-    "tried as a region: torchao's float8 TP blocks fail Dynamo's region trace on torch 2.13 with or without the "
-    "float8 all-gather ('Expected FakeTensor after unwrapping' on their float8 DTensor activations)"
 )
 INLINE_SUBCLASS_DIFFERS = (
     "fsdp_post_all_gather rebuilds its parameter {name!r} in {fqn!r} as {a}, in {first!r} as {b}: a region "
@@ -205,8 +199,6 @@ def subclass_reason(plan, fqns: list[str], names) -> str | None:
     for p in (p for f in fqns for p in plan.group(f).params):
         if p.extension is not None and p.extension.unsharded_kind != "Tensor" and p.extension.unsharded_flatten is None:
             return INLINE_SUBCLASS.format(fqn=p.fqn, kind=p.extension.unsharded_kind)
-        if p.extension is not None and p.extension.unsharded_kind != "Tensor" and p.parallel is not None:
-            return INLINE_SUBCLASS_PARALLEL.format(fqn=p.fqn, kind=p.extension.unsharded_kind)
     first = subclass_specs(plan, fqns[0], names)
     for fqn in fqns[1:]:
         for name, a, b in zip(names, subclass_specs(plan, fqn, names), first):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 
-from fsdp_compile._torch import _grad_fn, _grad_hooks, _invoke_subgraph, _size_branches
+from fsdp_compile._torch import _grad_fn, _grad_hooks, _invoke_subgraph, _nested_subclasses, _size_branches
 
 
 class _StepState:
@@ -37,6 +37,7 @@ class _Active:
         self._patches.enter_context(_grad_hooks.traced_as_grad_hooks())  # a TP plan's hooks registered in forward
         self._patches.enter_context(_size_branches.general_path_on_empty())  # transformers' EP: no tokens received
         self._patches.enter_context(_grad_fn.grad_fn_not_none())  # spmd_types' collectives (torchtitan's TP)
+        self._patches.enter_context(_nested_subclasses.nested_subclass_regions())  # torchao's float8 x TP regions
         self._saved = [(module, module.logger) for module, _ in self.loggers]
         for module, proxy in self.loggers:
             module.logger = proxy
