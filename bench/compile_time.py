@@ -1,6 +1,6 @@
 """First-step (compile) time against depth, cold and warm: fsdp_compile vs torch.compile.
 
-    python bench/compile_time.py [--depths 2 8 16 32] [--model hf|ours|tp|float8|deepseek|titan-tp] [--quick] [--one-process] [--repeat N]
+    python bench/compile_time.py [--depths 2 8 16 32] [--model hf|ours|tp|float8|float8-tp|deepseek|titan-tp] [--quick] [--one-process] [--repeat N]
 
 For every depth and variant, two fresh processes of 2 gloo ranks each (1 thread per rank) run one
 forward + backward: "cold" with an empty Inductor cache directory, then "warm" with the one the cold run
@@ -15,6 +15,7 @@ cache directories; the tables give the median of the N. Variants:
 The model is a narrow Llama (hidden 64), so compute is negligible: HF transformers' LlamaForCausalLM when
 installed (``--model hf``), else fsdp_compile.models.Llama; ``--model tp`` the latter with torchtitan's TP plan
 on a (dp 2, tp 2) mesh (4 ranks), ``float8`` with torchao's float8 Linears and FSDP2's float8 all-gather,
+``float8-tp`` both (torchao's float8 TP plan, ``tensor_parallel(float8=True)``: float8 x TP),
 ``deepseek`` torchtitan's DeepSeek-V3 debug model (MoE blocks, dim 256), parallelized by torchtitan over
 data parallelism, ``titan-tp`` its Llama3 debug model parallelized by torchtitan's ``parallelize_llama`` over
 dp 2 x tp 2 (sequence parallelism: blocks that take and return DTensors) (torchtitan installed;
@@ -45,13 +46,14 @@ MODELS = {  # --model: what it builds (``build``)
     "ours": "fsdp_compile.models.Llama",
     "tp": "fsdp_compile.models.Llama with torchtitan's TP plan, dp 2 x tp 2",
     "float8": "fsdp_compile.models.Llama in torchao float8 with FSDP2's float8 all-gather",
+    "float8-tp": "fsdp_compile.models.Llama in torchao float8 (float8 all-gather) with torchao's float8 TP plan, dp 2 x tp 2",
     "deepseek": "torchtitan's DeepSeek-V3 debug model (MoE), parallelized by torchtitan",
     "titan-tp": "torchtitan's Llama3 debug model, parallelized by torchtitan with TP, dp 2 x tp 2",
 }
 
 
 def world(model_kind: str) -> int:
-    return 4 if model_kind in ("tp", "titan-tp") else W  # tp: dp 2 x tp 2
+    return 4 if model_kind in ("tp", "float8-tp", "titan-tp") else W  # tp: dp 2 x tp 2
 
 
 def build(model_kind: str, depth: int, shard: bool):
@@ -81,16 +83,20 @@ def build(model_kind: str, depth: int, shard: bool):
 
         model = Llama(LlamaArgs(vocab=1024, dim=64, n_layers=depth, n_heads=4, ffn_dim=128, max_seq=128))
         blocks = list(model.layers)
-        if model_kind == "float8":  # torchao's float8 Linears (emulated on a CPU) with FSDP2's float8 all-gather
+        if model_kind in ("float8", "float8-tp"):  # torchao's float8 Linears (emulated on a CPU), float8 all-gather
             from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
             config = Float8LinearConfig(enable_fsdp_float8_all_gather=True, emulate=not torch.cuda.is_available())
             convert_to_float8_training(model, config=config, module_filter_fn=lambda _, fqn: fqn != "output")
-        elif model_kind == "tp":
+        if model_kind in ("tp", "float8-tp"):
             from torch.distributed.device_mesh import init_device_mesh
 
+            from fsdp_compile.models import gloo_float8_all_gather
+
             dp_tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-            tensor_parallel(model, dp_tp["tp"])
+            tensor_parallel(model, dp_tp["tp"], float8=model_kind == "float8-tp")
+            if model_kind == "float8-tp":
+                gloo_float8_all_gather()  # its float8 sequence all-gathers, as bytes (no-op on the fake group)
             mesh = {"mesh": dp_tp["dp"]}
     if shard:
         for b in blocks:
