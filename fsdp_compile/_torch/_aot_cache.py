@@ -31,6 +31,9 @@ import sys
 
 import torch
 
+from fsdp_compile._torch import patched
+
+
 MARKED = "torch._dynamo.variables.misc.trampoline_autograd_apply"
 
 
@@ -82,10 +85,6 @@ def keys():
             return codecache._ident, (_mesh_key(t.real_obj), t.script_class_name)
         return reduce_script_object(self, t)
 
-    AOTAutogradCachePickler._format_global_for_cache_key = staticmethod(_format_global_for_cache_key)
-    codecache.FxGraphCachePickler._reduce_fake_script_object = _reduce_fake_script_object
-    try:
+    with patched((AOTAutogradCachePickler, "_format_global_for_cache_key", staticmethod(_format_global_for_cache_key)),
+                 (codecache.FxGraphCachePickler, "_reduce_fake_script_object", _reduce_fake_script_object)):
         yield
-    finally:
-        AOTAutogradCachePickler._format_global_for_cache_key = format_global
-        codecache.FxGraphCachePickler._reduce_fake_script_object = reduce_script_object

@@ -18,6 +18,8 @@ import contextlib
 import inspect
 import sys
 
+from fsdp_compile._torch import patched
+
 # (module, function) whose only use of ``x.grad_fn`` is ``x.grad_fn is None`` (spmd_types 0.3.1)
 _ONLY_IS_NONE = {
     ("spmd_types._collectives", name) for name in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
@@ -49,8 +51,5 @@ def grad_fn_not_none():
             return ConstantVariable.create(True)  # not None; only compared with None there
         return original(self, tx)
 
-    TensorVariable.method_attr_grad_fn = method_attr_grad_fn
-    try:
+    with patched((TensorVariable, "method_attr_grad_fn", method_attr_grad_fn)):
         yield
-    finally:
-        TensorVariable.method_attr_grad_fn = original

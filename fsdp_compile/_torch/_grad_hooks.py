@@ -26,7 +26,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from fsdp_compile._torch import wrapped
+from fsdp_compile._torch import patched, wrapped
 
 _NAME = "register_post_accumulate_grad_hook"
 _HOOKS: list = []  # the hooks _hook_gradient runs, by index: the same on every rank (a constant of the graph)
@@ -135,15 +135,14 @@ def traced_as_grad_hooks():
     entry = None if table is None else table.get(_NAME)
     if entry is not None:
         table[_NAME] = type(entry)(register)
-    TensorVariable.method_register_post_accumulate_grad_hook = register
     try:
-        yield
+        with patched((TensorVariable, "method_register_post_accumulate_grad_hook", register)):
+            yield
     except TorchDynamoException as e:
         cause = wrapped(e, HookRefused)
         if cause is None:
             raise
         raise HookRefused(str(cause)) from e
     finally:
-        TensorVariable.method_register_post_accumulate_grad_hook = original
         if entry is not None:
             table[_NAME] = entry

@@ -77,6 +77,8 @@ import torch
 from torch._C import DispatchKey
 from torch._higher_order_ops.invoke_subgraph import invoke_subgraph
 
+from fsdp_compile._torch import patched
+
 
 def _resolve_conj(subgraph, identifier, *operands):
     operands = tuple(o.resolve_conj() if isinstance(o, torch.Tensor) and o.is_conj() else o for o in operands)
@@ -117,11 +119,8 @@ def schemas_cached():
         return per_graph[key]
 
     gen_schema.fsdp_compile_cached = True
-    cls.gen_schema = gen_schema
-    try:
+    with patched((cls, "gen_schema", gen_schema)):
         yield
-    finally:
-        cls.gen_schema = original
 
 
 # The ATen form of each region body that passes/regions.py traced to decide on it (weakly, by body).
@@ -264,11 +263,8 @@ def _clones_shared():
             memo[key] = original(self, transform_fn)
         return memo[key]
 
-    ChainedSource.clone = clone
-    try:
+    with patched((ChainedSource, "clone", clone)):
         yield
-    finally:
-        ChainedSource.clone = original
 
 
 @contextlib.contextmanager
@@ -314,20 +310,16 @@ def reuse_checked():
         with _clones_shared():
             return originals["is_reusable"](tx, condition, fingerprint, *args, **kwargs)
 
-    patched = {name: skipping(originals[name]) for name in _RECORDING}
-    patched.update(
+    replacements = {name: skipping(originals[name]) for name in _RECORDING}
+    replacements.update(
         is_reuse_eligible=eligible,
         is_reusable=reusable,
         build_input_fingerprint=functools.partial(_fingerprint, originals["build_input_fingerprint"]),
     )
-    for name, fn in patched.items():
+    for fn in replacements.values():
         fn.fsdp_compile_checks = True
-        setattr(variables, name, fn)
-    try:
+    with patched(*((variables, name, fn) for name, fn in replacements.items())):
         yield
-    finally:
-        for name, original in originals.items():
-            setattr(variables, name, original)
 
 
 RETURNS_SUBCLASS = (
@@ -393,11 +385,8 @@ def subgraphs_donate_nothing():
         original(self, parent, *args, **kwargs)
         self.bw_donated_idxs = None
 
-    SubgraphLowering.__init__ = __init__
-    try:
+    with patched((SubgraphLowering, "__init__", __init__)):
         yield
-    finally:
-        SubgraphLowering.__init__ = original
 
 
 def _aliased_inputs(body) -> list[tuple[int, ...]]:
@@ -491,10 +480,6 @@ def region_outputs_alias_inputs():
     def get_inputs_that_alias_output(self):
         return [*original_aliases(self), *getattr(self, "fsdp_compile_aliases", ())]
 
-    invoke.create = classmethod(create)
-    ir.MultiOutput.get_inputs_that_alias_output = get_inputs_that_alias_output
-    try:
+    with patched((invoke, "create", classmethod(create)),
+                 (ir.MultiOutput, "get_inputs_that_alias_output", get_inputs_that_alias_output)):
         yield
-    finally:
-        invoke.create = original_create
-        ir.MultiOutput.get_inputs_that_alias_output = original_aliases

@@ -19,9 +19,11 @@ Torch 2.13 traces such a body inline but not as a region, for two reasons:
   or it is a view) says it would for a recognized tensor. The subclass then sees the ops it sees inline,
   where autograd decomposed them before the mode.
 
-Both apply while our compiled step is traced (``capture.active``), the second only inside a region body's
-functionalization. Inline code never reaches either: its intermediates are not a region's, and autograd
-decomposes before the mode sees an op.
+Both apply while our compiled step is traced (``capture.active``), the second only inside the functionalization
+of a higher-order operator's body (``FunctionalizeCtxWrapper``: a region's). Inline code reaches neither: its
+intermediates are not a region's, and autograd decomposes before the mode sees an op. In a TP region's body a
+DTensor is such an unrecognized subclass too; its CompositeImplicitAutograd ops are then decomposed before
+DTensor sees them, as autograd decomposes them in eager and inline (the TP parity cases stay bitwise).
 
 Seen and checked on 2.13.0 and 2.14.1 (``tests/test_tp.py::test_llama_float8_tensor_parallel_gathers_float8_activations``,
 fast tier, fails on both without it; bitwise against eager FSDP2 with regions on and off in
@@ -55,8 +57,8 @@ def _nested(value) -> bool:
 
 @contextlib.contextmanager
 def nested_subclass_regions():
-    """Within the block: a nested subclass's fake leaves for Dynamo's region checks, and ops autograd would
-    have decomposed decomposed before an unrecognized subclass inside a region body's functionalization."""
+    """Within the block: a nested subclass's fake leaves for Dynamo's region checks, and, inside a region body's
+    functionalization, an op that autograd would have decomposed decomposed before a subclass sees it."""
     from torch._higher_order_ops import utils
     from torch._subclasses import functional_tensor as ft
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import sys
 
-from fsdp_compile._torch import wrapped
+from fsdp_compile._torch import patched, wrapped
 
 # (module, qualified name) of the functions whose data-dependent ``size == 0`` branches take the general path
 _GENERAL_PATH = {("transformers.distributed.expert_parallel", "AllToAllEP.__call__")}
@@ -82,13 +82,11 @@ def general_path_on_empty():
                 "correct for every size, or torch._check(...) the value, or train this model with eager FSDP2"
             ) from e
 
-    SymNodeVariable.evaluate_expr = evaluate_expr
     try:
-        yield
+        with patched((SymNodeVariable, "evaluate_expr", evaluate_expr)):
+            yield
     except TorchDynamoException as e:
         cause = wrapped(e, SizeBranchRefused)
         if cause is None:
             raise
         raise SizeBranchRefused(str(cause)) from e
-    finally:
-        SymNodeVariable.evaluate_expr = original
