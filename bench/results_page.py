@@ -354,12 +354,13 @@ def soak(d: dict) -> list[str]:
 
 def scale_sim(d: dict) -> list[str]:
     rows = d.get("rows", [])
-    extra = [k for k in ("limit_ms", "step_over_limit", "planning_ms", "units") if any(k in r for r in rows)]
+    extra = [k for k in ("limit_ms", "step_over_limit", "planning_ms", "units", "capture_s") if any(k in r for r in rows)]
     extra += ["all_reduces", "limit_per_graph_ms"] if any(r.get("all_reduces") for r in rows) else []  # --replicate
     names = {"limit_ms": "limit ms", "step_over_limit": "step / limit", "planning_ms": "planning ms", "units": "units",
-             "all_reduces": "all-reduces", "limit_per_graph_ms": "per-graph limit ms"}
+             "all_reduces": "all-reduces", "limit_per_graph_ms": "per-graph limit ms",
+             "capture_s": "capture s (fc.explain, one process)"}
     fmts = {"limit_ms": ".1f", "step_over_limit": ".3f", "planning_ms": ".0f", "units": "d", "all_reduces": "d",
-            "limit_per_graph_ms": ".1f"}
+            "limit_per_graph_ms": ".1f", "capture_s": ".1f"}
     return table(["model", "W", "tp", "profile", "variant", "float8 all-gather", "step ms", "exposed comm ms (%)",
                   "peak GiB", "all-gathers", "reduce-scatters", *(names[k] for k in extra)],
                  [[r["model"] + (f" ({r['layers']} layers" + (f" a stage, pp {r['pp']}" if "pp" in r else "") + ")" if "layers" in r else ""), r["world_size"], r.get("tp", 1), r["hardware"], r["variant"], num(r.get("float8_all_gather")),

@@ -31,8 +31,7 @@ a torchao Float8Linear with enable_fsdp_float8_all_gather=True (its weights gath
 per element): its matmuls are torch._scaled_mm, priced at the profile's float8 rate (H100: twice bf16's),
 plus its dynamic-scaling casts, each priced as its own memory-bound op (Inductor fuses them into a few
 kernels, so the float8 step's compute is overpriced: read its all-gather bytes and exposed communication,
-not its step). Two variants, eager FSDP2 and fc default, in bf16 and in float8 (float8 blocks compile
-inline, not as regions: a slower capture). With --tp too, the float8 blocks take torchao's float8 TP styles
+not its step). Two variants, eager FSDP2 and fc default, in bf16 and in float8. With --tp too, the float8 blocks take torchao's float8 TP styles
 (Float8ColwiseParallel / Float8RowwiseParallel / PrepareFloat8ModuleInput: ``tensor_parallel(float8=True)``),
 so TP's sequence all-gathers carry float8 activations as well.
 Overlap limit (the "limit" columns and keys): max(compute, communication), the step a perfect overlap of the
@@ -250,7 +249,9 @@ def main():
             layers = stage_layers(size, args.pp, args.layers) if args.pp > 1 else args.layers
             for hardware, float8, stage in [(h, f, st) for h in profiles for f in ((False, True) if args.float8 else (False,))
                                             for st in (args.stages if args.pp > 1 else (None,))]:
+                started = time.perf_counter()  # the model built on the meta device, sharded, and explain_graphs
                 ours, report, _ = capture(size, sim, args.seq, hardware, args.tp, float8, layers, stage, args.replicate)
+                capture_s = time.perf_counter() - started
                 plan = report.schedule
                 # the eager-equivalent capture, for the other variants
                 placed, _, modules = capture(size, sim, args.seq, hardware, args.tp, float8, layers, stage, args.replicate,
@@ -268,6 +269,8 @@ def main():
                     if variant == "fc default":
                         r["planning_ms"] = report.planning_ms
                         r["units"] = len(plan["units"])
+                        r["capture_s"] = capture_s  # one process, cold: what fc.explain of this model takes
+                        r["regions"] = [(len(x["blocks"]), x["why"] or "region") for x in report.regions]
                     name = variant + (" float8" if float8 else "") + (f" {stage} stage" if stage else "")
                     rows.append({"model": size, "world_size": world, "tp": args.tp, "hardware": hardware, "variant": name,
                                  "float8_all_gather": float8, "layers": layers or SIZES[size].n_layers,
@@ -288,6 +291,10 @@ def main():
               f"{r['exposed_comm_ms']:.2f} ({r['exposed_pct']:.1f}%) | {r['peak_bytes'] / 2**30:.2f} | "
               f"{r['all_gathers']}/{r['reduce_scatters']}{ar} | {planning} |")
     _print_limits(rows)
+    print("\nfc's capture (fc.explain_graphs of fc default, one process, cold; building and sharding the model on the meta "
+          "device included), and its repeated blocks (count, region or why inline):")
+    for r in (r for r in rows if "capture_s" in r):
+        print(f"- {r['model']} W={r['world_size']} {r['hardware']} {r['variant']}: {r['capture_s']:.1f} s, {r['regions']}")
     if args.float8:
         print("\nfloat8 all-gather against bf16 (same model, W, hardware, schedule policy):")
         print("| model | W | hardware | variant | all-gather GB/step | exposed comm ms | step ms |")
