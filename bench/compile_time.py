@@ -96,7 +96,7 @@ def build(model_kind: str, depth: int, shard: bool):
             dp_tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
             tensor_parallel(model, dp_tp["tp"], float8=model_kind == "float8-tp")
             if model_kind == "float8-tp":
-                gloo_float8_all_gather()  # its float8 sequence all-gathers, as bytes (no-op on the fake group)
+                gloo_float8_all_gather()  # its float8 sequence all-gathers as bytes on gloo (the fake group carries any dtype)
             mesh = {"mesh": dp_tp["dp"]}
     if shard:
         for b in blocks:

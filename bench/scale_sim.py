@@ -31,9 +31,10 @@ a torchao Float8Linear with enable_fsdp_float8_all_gather=True (its weights gath
 per element): its matmuls are torch._scaled_mm, priced at the profile's float8 rate (H100: twice bf16's),
 plus its dynamic-scaling casts, each priced as its own memory-bound op (Inductor fuses them into a few
 kernels, so the float8 step's compute is overpriced: read its all-gather bytes and exposed communication,
-not its step). Two variants, eager FSDP2 and fc default, in bf16 and in float8. With --tp too, the float8 blocks take torchao's float8 TP styles
-(Float8ColwiseParallel / Float8RowwiseParallel / PrepareFloat8ModuleInput: ``tensor_parallel(float8=True)``),
-so TP's sequence all-gathers carry float8 activations as well.
+not its step). Two variants, eager FSDP2 and fc default, in bf16 and in float8. With --tp too, the float8
+blocks take torchao's float8 TP styles (Float8ColwiseParallel / Float8RowwiseParallel /
+PrepareFloat8ModuleInput: ``tensor_parallel(float8=True)``), so TP's sequence all-gathers carry float8
+activations as well. fc default's rows record its capture's seconds (``capture_s``) and its regions.
 Overlap limit (the "limit" columns and keys): max(compute, communication), the step a perfect overlap of the
 two would give, both from the same simulation as the step, at the same profile and on each variant's own
 graphs. compute = the compute stream's busy time over the forward and backward graphs: every non-collective

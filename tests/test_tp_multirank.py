@@ -35,12 +35,12 @@ CASES = [
     TPCase(model="llama", tied="after", micro=2),  # the same in fp32, two backward calls into .grad per step
 ]
 if importlib.util.find_spec("torchao") is not None:  # the test extra
-    # torchao's float8 Linears with FSDP2's float8 all-gather and torchao's float8 TP plan (issue 46 item 1); the
-    # scales precomputed after each optimizer step, so step 1 all-reduces the amax in fsdp_pre_all_gather, step 2 not
-    CASES += [TPCase(model="mlp", float8=True), TPCase(model="mlp", float8=True, mp="bf16", reshard=False)]
-    # torchtitan's float8 TP plan on the Llama (float8 sequence all-gathers, as bytes on gloo): one region, its
-    # float8 DTensor activations inside (issue 48), bitwise against eager and against regions off
-    CASES += [TPCase(model="llama", float8=True, inline=True)]
+    # torchao's float8 Linears with FSDP2's float8 all-gather and torchao's float8 TP styles (issue 46 item 1); the
+    # scales precomputed after each optimizer step, so step 1 all-reduces the amax in fsdp_pre_all_gather, step 2 not.
+    # mlp: the input cast on the block itself (inline: hooks of its own), bf16; llama: torchtitan's float8 TP plan
+    # (float8 sequence all-gathers, as bytes on gloo), fp32, one region with its float8 DTensor activations inside
+    # (issue 48), bitwise against eager and against regions off
+    CASES += [TPCase(model="mlp", float8=True, mp="bf16", reshard=False), TPCase(model="llama", float8=True, inline=True)]
 INDUCTOR = TPCase(model="mlp", backend="inductor")
 
 
