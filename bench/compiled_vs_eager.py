@@ -105,7 +105,7 @@ import fsdp_compile as fc  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "tests"))
 from eager_calls import count_eager_collectives  # noqa: E402  (the tests' instrumentation)
 from fsdp_compile.models import SIZES, Llama, LlamaArgs, gloo_float8_all_gather, llama_blocks, tensor_parallel  # noqa: E402
-from fsdp_compile.report import collective_bytes, count_collectives  # noqa: E402
+from fsdp_compile.report import collective_bytes, count_collectives, with_region_bodies  # noqa: E402
 
 HF_VOCAB = 4096
 # Benchmark-only sizes beside fsdp_compile.models.SIZES: "llama-1b" fills one 80 GB GPU with three variants
@@ -375,7 +375,7 @@ def graph_bytes_per_dim(gms, count: BytesByDim) -> None:
     from fsdp_compile.passes.predicates import counted_kind, node_bytes, process_group_name
 
     for gm in gms:
-        for node in gm.graph.nodes:
+        for node in with_region_bodies(gm):  # a region's collectives (a TP block's) once per call
             kind = counted_kind(node)
             if kind is not None:
                 count.add(process_group_name(node), node_bytes(node.args[0] if kind == "reduce_scatters" else node))
@@ -407,7 +407,7 @@ class CommOnly(Variant):
 
         captured = self.fc.runner.captured
         return [(n.target, fresh(n.args), fresh(n.kwargs)) for gm in captured.forward[:1] + captured.backward[:1]
-                for n in gm.graph.nodes if counted_kind(n)]
+                for n in with_region_bodies(gm) if counted_kind(n)]  # a region's (a TP block's) once per call
 
     def step(self, tokens: torch.Tensor) -> float:
         if self.calls is None:  # after the fc variant's first step, which captured its graphs

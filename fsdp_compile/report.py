@@ -152,12 +152,16 @@ def region_summary(repeated: list[list[str]], decisions, enabled: bool, fixed: d
 
 
 def count_collectives(graphs) -> dict[str, int]:
-    from fsdp_compile.passes.predicates import collective_counts
+    """All-gathers, reduce-scatters and all-reduces in ``graphs``, a region's (a TP block's) once per call: the
+    same counts with regions on and off."""
+    from fsdp_compile.passes.predicates import counted_kind
 
     counts = {"all_gathers": 0, "reduce_scatters": 0, "all_reduces": 0}
     for gm in graphs:
-        for kind, n in collective_counts(gm.graph).items():
-            counts[kind] += n
+        for node in with_region_bodies(gm):
+            kind = counted_kind(node)
+            if kind is not None:
+                counts[kind] += 1
     return counts
 
 
@@ -169,7 +173,7 @@ def collectives_by_mesh_dim(graphs, mesh_dims: dict[str, str]) -> dict[str, dict
 
     out: dict[str, dict[str, int]] = {}
     for gm in graphs:
-        for node in _with_region_bodies(gm):
+        for node in with_region_bodies(gm):
             kind = counted_kind(node) or ("all_to_alls" if collective_kind(node) == "all_to_all" else None)
             if kind is not None:
                 name = process_group_name(node)
@@ -178,25 +182,26 @@ def collectives_by_mesh_dim(graphs, mesh_dims: dict[str, str]) -> dict[str, dict
     return out
 
 
-def _with_region_bodies(gm):
+def with_region_bodies(gm):
     """``gm``'s nodes, each region call (``invoke_subgraph``) replaced by its body's nodes."""
     import torch
 
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target is torch.ops.higher_order.invoke_subgraph:
-            yield from _with_region_bodies(getattr(gm, node.args[0].target))
+            yield from with_region_bodies(getattr(gm, node.args[0].target))
         else:
             yield node
 
 
 def collective_bytes(graphs) -> dict[str, int]:
     """Bytes per kind of collective in ``graphs``, each counted as its full buffer: an all-gather's output,
-    a reduce-scatter's input, an all-reduce's tensor (the buffers eager FSDP2 hands to torch.distributed)."""
+    a reduce-scatter's input, an all-reduce's tensor (the buffers eager FSDP2 hands to torch.distributed); a
+    region's once per call."""
     from fsdp_compile.passes.predicates import counted_kind, node_bytes
 
     out = {"all_gathers": 0, "reduce_scatters": 0, "all_reduces": 0}
     for gm in graphs:
-        for node in gm.graph.nodes:
+        for node in with_region_bodies(gm):
             kind = counted_kind(node)
             if kind is not None:
                 out[kind] += node_bytes(node.args[0] if kind == "reduce_scatters" else node)

@@ -231,7 +231,7 @@ def test_llama_float8_tensor_parallel_gathers_float8_activations(all_gather):
     from fsdp_compile.debug import explain_graphs
     from fsdp_compile.models import Llama, LlamaArgs, tensor_parallel
     from fsdp_compile.passes.predicates import collective_kind
-    from fsdp_compile.report import _with_region_bodies
+    from fsdp_compile.report import with_region_bodies
 
     with fake_process_group(4, rank=1):
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
@@ -246,7 +246,8 @@ def test_llama_float8_tensor_parallel_gathers_float8_activations(all_gather):
         report, captured = explain_graphs(model, torch.randint(0, 256, (2, 16)), config=fc.CompileConfig(backend="aot_eager"))
         assert report.graph_breaks == 0 and report.dynamo_graphs == 1
         forward = captured.forward[0]  # with each region call's body in its place: TP's gathers are inside
-        gathered = [n.meta["val"].dtype for n in _with_region_bodies(forward) if collective_kind(n) == "all_gather"]
+        gathered = [n.meta["val"].dtype for n in with_region_bodies(forward) if collective_kind(n) == "all_gather"]
         # per block: one float8 sequence all-gather into attention, one into the MLP
         assert gathered.count(torch.float8_e4m3fn) == 4 and (torch.uint8 in gathered) == all_gather
         assert report.regions == [{"blocks": ["layers.0", "layers.1"], "region": True, "why": None}]
+        assert report.forward["all_gathers"] == len(gathered)  # the report counts a region's once per call
