@@ -154,14 +154,12 @@ def region_summary(repeated: list[list[str]], decisions, enabled: bool, fixed: d
 def count_collectives(graphs) -> dict[str, int]:
     """All-gathers, reduce-scatters and all-reduces in ``graphs``, a region's (a TP block's) once per call: the
     same counts with regions on and off."""
-    from fsdp_compile.passes.predicates import counted_kind
+    from fsdp_compile.passes.predicates import collective_counts
 
     counts = {"all_gathers": 0, "reduce_scatters": 0, "all_reduces": 0}
     for gm in graphs:
-        for node in with_region_bodies(gm):
-            kind = counted_kind(node)
-            if kind is not None:
-                counts[kind] += 1
+        for kind, n in collective_counts(with_region_bodies(gm)).items():
+            counts[kind] += n
     return counts
 
 

@@ -83,7 +83,7 @@ def run_passes(
         moves=[dataclasses.asdict(m) for m in moves], comm_budget=schedule.comm_budget_bytes,
         before=before.to_dict(), after=after.to_dict(), peak_before=peak_before, peak_after=peak_after,
         peak_node=None if peak_node is None else peak_node.name, stages=stages,
-        collectives=P.collective_counts(graph),
+        collectives=P.collective_counts(graph.nodes),
     )
 
 

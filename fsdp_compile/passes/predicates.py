@@ -95,10 +95,10 @@ def counted_kind(node: fx.Node) -> str | None:
     return _COUNTED.get(node.target) if node.op == "call_function" else None
 
 
-def collective_counts(graph: fx.Graph) -> dict[str, int]:
-    """All-gathers, reduce-scatters and all-reduces in ``graph``."""
+def collective_counts(nodes) -> dict[str, int]:
+    """All-gathers, reduce-scatters and all-reduces among ``nodes`` (a graph's, or ``report.with_region_bodies``)."""
     counts = {"all_gathers": 0, "reduce_scatters": 0, "all_reduces": 0}
-    for node in graph.nodes:
+    for node in nodes:
         kind = counted_kind(node)
         if kind is not None:
             counts[kind] += 1
