@@ -33,13 +33,13 @@ outputs out as plain tensors), as is one from a call that is not flat (``call_ke
 tensors (``__tensor_flatten__``), with a carrier of its gradient, and the region rebuilds it by
 ``__tensor_unflatten__`` from a ``SubclassSpec``: the flatten context that ``read_spec`` read off the one
 ``fsdp_post_all_gather`` call it makes at compile time, on tensors of the gathered shapes (the subclass itself
-exists only inside the traced step), equal for every block of the kind (``subclass_reason``) and compared with
-the traced subclass's at every call (Dynamo folds it: the context is Python metadata), the block running
-inline where it differs. The subclass's gradient (torchao's float8 matmul gives its weight a plain one) leaves
-the region through the carrier unchanged, to ``_extensions.Attach`` and the reduce-scatter, as inline. A TP
-parameter's DTensor of such a subclass (torchao's float8 x TP) crosses the same way: its local tensor flattened,
-rebuilt inside, then made the DTensor. The float8 activations such blocks make inside (a DTensor of a
-``Float8TrainingTensor``) need two torch fixes to trace as a region (``_torch/_nested_subclasses.py``).
+exists only inside the traced step), equal for every block of the kind (``subclass_reason``) and checked against
+the traced subclass's at every call (an error that names the fix where the extension's settings changed since).
+The subclass's gradient (torchao's float8 matmul gives its weight a plain one) leaves the region through the
+carrier unchanged, to ``_extensions.Attach`` and the reduce-scatter, as inline. A TP parameter's DTensor of such a
+subclass (torchao's float8 x TP) crosses the same way: its local tensor flattened, rebuilt inside, then made the
+DTensor. The float8 activations such blocks make inside (a DTensor of a ``Float8TrainingTensor``) need two torch
+fixes to trace as a region (``_torch/_nested_subclasses.py``).
 """
 
 from __future__ import annotations
@@ -113,8 +113,7 @@ def _shown(spec) -> str:
 def flattened(tensors: tuple, specs: tuple, subclasses: tuple | None = None) -> tuple | None:
     """The region's operands: each DTensor parameter as its local tensor, each subclass (its local tensor) as
     its inner tensors and a carrier of its gradient (``SubclassCrossing``), outside the region; None where one
-    is not what the region was made for now (something replaced it, or a subclass's flatten context is not the
-    region's: the block then runs inline)."""
+    is not what the region was made for now (something replaced it: the block then runs inline)."""
     from torch.distributed.tensor import DTensor
 
     out = []
@@ -124,11 +123,9 @@ def flattened(tensors: tuple, specs: tuple, subclasses: tuple | None = None) -> 
                 return None
             t = t.to_local()
         if sub is not None:
-            # Dynamo folds the comparison (the context is Python metadata of the traced subclass); its method
-            # form, t.__tensor_flatten__(), Dynamo takes for a torch op and refuses
-            if type(t) is not sub.spec.cls or sub.spec.cls.__tensor_flatten__(t)[1] != sub.spec.ctx:
+            if type(t) is not sub.spec.cls:
                 return None
-            out += sub.inner.apply(t)
+            out += sub.inner.apply(t)  # which checks its flatten context
         else:
             out.append(t)
     return tuple(out)
@@ -230,6 +227,14 @@ def _subclass_functions(spec: SubclassSpec) -> tuple[type, type]:
     class Inner(torch.autograd.Function):
         @staticmethod
         def forward(t):
+            # checked here, where Dynamo runs it on the traced subclass, not traces it: traced (with the comparison
+            # of the context, a dict for torchao's), it took about 35 ms of a float8 x TP Llama block's 0.89 s
+            ctx = spec.cls.__tensor_flatten__(t)[1]
+            if not _same(ctx, spec.ctx):
+                raise RuntimeError(
+                    f"fsdp_compile: fsdp_post_all_gather built a {spec.cls.__name__} of flatten context {ctx!r} in the "
+                    f"trace, where it built one of {spec.ctx!r} when fsdp_compile.compile read it: the all-gather "
+                    "extension's settings changed since; call fsdp_compile.compile again")
             carrier = torch.empty_strided(t.shape, (0,) * t.dim(), dtype=t.dtype, device=t.device)
             return (*(getattr(t, n).view_as(getattr(t, n)) for n in spec.names), carrier)
 
