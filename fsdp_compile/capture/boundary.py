@@ -371,7 +371,10 @@ def _dynamic_trace() -> bool:
     """Whether the trace under way has a symbolic size (a backed symbol in its shape environment)."""
     ctx = torch._guards.TracingContext.try_get()
     env = getattr(getattr(ctx, "fake_mode", None), "shape_env", None)
-    return bool(env is not None and env.var_to_val)
+    if env is None:
+        return False
+    # backed_var_to_val: torch 2.13 warns on var_to_val (deprecated), which older torches alone have
+    return bool(env.backed_var_to_val if hasattr(env, "backed_var_to_val") else env.var_to_val)
 
 
 def activations_flattened(operands: tuple, first: int) -> tuple[tuple, str]:
