@@ -14,6 +14,7 @@ import fsdp_compile as fc
 from dist_helpers import fake_process_group
 from fsdp_compile.capture import regions as capture_regions
 from fsdp_compile._torch._invoke_subgraph import GUARDED_REUSE
+from fsdp_compile.passes.regions import SYMBOLIC_FLOAT
 from fsdp_compile.report import count_collectives
 from models import Llama, LlamaArgs, shard
 
@@ -322,6 +323,53 @@ def test_a_block_written_in_the_forward_runs_as_itself(traces, gloo_world_1, ind
     assert torch.equal(compiled(x), expected)
     # the template region: only the template itself (the others inline)
     assert traces == ({"traces": 3, "stamp_outs": 0} if indexed else {"traces": 1, "stamp_outs": 0})
+
+
+class _SetsLaterBlocks(nn.Module):
+    """Writes the blocks after the first (the template) in its forward: to the template's value, or another."""
+
+    def __init__(self, k: float):
+        super().__init__()
+        self.blocks = nn.ModuleList(_Scaled() for _ in range(3))
+        self.written = k
+
+    def forward(self, x):
+        for i, block in enumerate(self.blocks):
+            if i:
+                block.k = self.written
+            x = block(x)
+        return x
+
+
+@pytest.mark.parametrize("k", [1.0, 2.0])
+def test_attributes_written_in_the_forward_and_changed_between_steps(traces, gloo_world_1, k):
+    """Blocks written in the forward to the template's value share its trace (``_written_apart``); written to
+    another, they run inline. Between steps, the value written changes, then the template's own k twice:
+    Dynamo's automatic dynamic then traces it as a SymFloat, which torch 2.13's invoke_subgraph takes no operand
+    of (before, that recompile failed inside Dynamo: "lift_tracked_freevar_to_input should not be called on root
+    SubgraphTracer", now the template's own call reads its attributes before the region's body does); that graph
+    runs the blocks inline, and says so. Every step equal to eager FSDP2."""
+    torch.manual_seed(0)
+    m = _SetsLaterBlocks(k)
+    shard(m, list(m.blocks))
+    compiled = fc.compile(m, backend="aot_eager")
+    x = torch.randn(4, 8)
+
+    def check():
+        with torch.no_grad():
+            expected = m(x)  # eager FSDP2
+        assert torch.equal(compiled(x), expected)
+
+    check()
+    # k 1.0: the second block's input requires grad, the first's not (another reuse key), the third's trace stamped
+    assert traces == ({"traces": 2, "stamp_outs": 1} if k == 1.0 else {"traces": 1, "stamp_outs": 0})
+    m.written = 3.0  # the later blocks now differ from the template
+    check()
+    m.blocks[0].k = 3.0  # the template's k (which the region's body reads) changed between steps
+    check()
+    m.blocks[0].k = 5.0
+    check()
+    assert compiled.regions()[0]["why"] == SYMBOLIC_FLOAT
 
 
 # --- region admission (passes/regions.py), on Dynamo graphs without FSDP -----------------------------------

@@ -167,7 +167,8 @@ def install_regions(model: nn.Module, plan: ShardingPlan) -> tuple[list[list[str
         region, names, pass_block = _make_region(blocks, index, crossing)
         for block in blocks:
             previous = block.__dict__.get("forward")
-            pairs = () if pass_block or block is blocks[0] else _attribute_pairs(block, blocks[0])
+            # the template with itself: its attributes read at top level before its region's body reads them
+            pairs = () if pass_block else _attribute_pairs(block, blocks[0])
             block.forward = _regional_forward(block, region, names, pass_block, pairs, crossing)
             forwards.append((block, previous, block.forward))
     return repeated, forwards

@@ -54,6 +54,12 @@ MUTATES_INPUT = (
 
 UNANALYSED = "its body could not be traced to ATen for these checks (inline is always right)"
 
+SYMBOLIC_FLOAT = (
+    "takes a float Dynamo made symbolic (an attribute its body reads changed between compiles, which automatic "
+    "dynamic then traces as a SymFloat), and torch 2.13's invoke_subgraph takes no SymFloat operand: inline in "
+    "this graph"
+)
+
 
 @dataclasses.dataclass
 class RegionDecision:
@@ -101,6 +107,7 @@ def _walk(gm: fx.GraphModule, under_checkpoint: bool, fake_mode, verdicts, decis
             why = verdicts[key] or _returns_subclass(body)
             if why == RANDOM_UNDER_CHECKPOINT and not under_checkpoint:
                 why = None
+            why = why or _symbolic_float(node)
             decisions.append(RegionDecision(_region_name(body), node.args[0].target, why))
             if why is None:
                 # a checkpoint inside the region (checkpoint_wrapper blocks) is partitioned with the region
@@ -119,6 +126,15 @@ def _walk(gm: fx.GraphModule, under_checkpoint: bool, fake_mode, verdicts, decis
                 gm.graph.erase_node(node)
         gm.graph.lint()
         gm.recompile()
+
+
+def _symbolic_float(node: fx.Node) -> str | None:
+    """``SYMBOLIC_FLOAT`` where a region call takes a SymFloat operand (AOTAutograd would refuse it: "invoke_subgraph
+    operands must be a list of tensors/ints/SymInts/Generator")."""
+    for arg in node.args[2:]:
+        if isinstance(arg, fx.Node) and isinstance(arg.meta.get("example_value", arg.meta.get("val")), torch.SymFloat):
+            return SYMBOLIC_FLOAT
+    return None
 
 
 def _own_buffers(gm: fx.GraphModule, fake_mode, verdicts: dict) -> None:
