@@ -163,11 +163,19 @@ class Attach(torch.autograd.Function):
 
     @staticmethod
     def forward(local: Tensor, outputs: list, metadata, handle: Tensor, param_dtype: torch.dtype, size: tuple,
-                stride: tuple) -> Tensor:
+                stride: tuple, fqn: str) -> Tensor:
         full, _ = local.fsdp_post_all_gather(tuple(outputs), metadata, param_dtype)
         if tuple(full.shape) != tuple(size):  # uneven shards: FSDP2's as_strided drops the padding rows
-            return torch.as_strided(full, size, stride, 0)
-        return full.view_as(full)
+            full = torch.as_strided(full, size, stride, 0)
+        else:
+            full = full.view_as(full)
+        # checked here, where Dynamo runs it on the traced tensors rather than traces it (``read_spec`` checked
+        # the same at compile time on tensors of these shapes)
+        if full.dtype != handle.dtype or tuple(full.shape) != tuple(handle.shape):
+            raise NotImplementedError(
+                f"parameter {fqn!r}: fsdp_post_all_gather returned {full.dtype} {tuple(full.shape)}, expected "
+                f"{handle.dtype} {tuple(handle.shape)} (the parameter's shape in param_dtype)")
+        return full
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -175,7 +183,7 @@ class Attach(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        return None, None, None, grad, None, None, None
+        return None, None, None, grad, None, None, None, None
 
 
 torch._dynamo.allow_in_graph(Attach)
@@ -385,11 +393,6 @@ def post_all_gather(local: Tensor, outputs: list[Tensor], metadata, handle: Tens
                     spec, fqn: str) -> Tensor:
     """In the trace: the parameter ``fsdp_post_all_gather`` rebuilds from the gathered ``outputs``, trimmed to its
     size (``spec``: its ``ExtensionSpec``), with its gradient going to ``handle`` (``Attach``)."""
-    full = Attach.apply(local, list(outputs), metadata, handle, param_dtype, tuple(spec.orig_size),
-                        tuple(spec.contiguous_stride))
-    if full.dtype != handle.dtype or tuple(full.shape) != tuple(handle.shape):
-        raise NotImplementedError(
-            f"parameter {fqn!r}: fsdp_post_all_gather returned {full.dtype} {tuple(full.shape)}, expected "
-            f"{handle.dtype} {tuple(handle.shape)} (the parameter's shape in param_dtype)")
-    return full
+    return Attach.apply(local, list(outputs), metadata, handle, param_dtype, tuple(spec.orig_size),
+                        tuple(spec.contiguous_stride), fqn)
 
