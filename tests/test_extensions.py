@@ -213,6 +213,29 @@ def test_float8_weight_crosses_the_boundary_as_its_inner_tensors():
         boundary.flattened((attached(other), bias), (None, None), crossings)
 
 
+@pytest.mark.parametrize(("metadata", "container"), [
+    (None, "leaf"), (3, "leaf"), ((0,), "tuple"), ([0, "a", None], "list"), ((0, (1,)), ""), ({"scale": 0}, "")])
+def test_split_rebuilds_metadata_as_pytree_does(metadata, container):
+    """``_extensions.split`` builds a leaf, or a plain tuple or list of leaves, as it is (``Layout.container``), and
+    anything else through pytree: the same metadata either way, its tensors the graph's (a 0 stands for one)."""
+    from torch.utils import _pytree as pytree
+
+    from fsdp_compile._extensions import Layout, _container, split
+
+    scale = torch.tensor(0.5)
+    metadata = pytree.tree_map(lambda x: scale if type(x) is int and x == 0 else x, metadata)
+    leaves, spec = pytree.tree_flatten(metadata)
+    layout = Layout(1, spec, tuple((True, None) if isinstance(x, torch.Tensor) else (False, x) for x in leaves),
+                    _container(spec))
+    assert layout.container == container
+    local, payload = torch.zeros(2), torch.ones(2)
+    selves, payloads, metadatas = split([local, payload, *(x for x in leaves if isinstance(x, torch.Tensor))],
+                                        (layout,))
+    assert len(selves) == len(payloads) == 1 and selves[0] is local and payloads[0] is payload
+    assert type(metadatas[0]) is type(metadata) and pytree.tree_flatten(metadatas[0])[1] == spec
+    assert all(a is b for a, b in zip(pytree.tree_leaves(metadatas[0]), leaves))
+
+
 def test_local_shards_are_to_local_in_one_autograd_node():
     """_extensions.LocalShards, the compiled step's way from DTensor parameters to their local shards: the
     same views and, in the backward, the same DTensor gradients (values, placements, global shape and
