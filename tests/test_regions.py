@@ -372,6 +372,36 @@ def test_attributes_written_in_the_forward_and_changed_between_steps(traces, glo
     assert compiled.regions()[0]["why"] == SYMBOLIC_FLOAT
 
 
+class _IndexedStack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(_Indexed(i) for i in range(3))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_blocks_passed_in_whose_float_attribute_changes_between_steps(gloo_world_1):
+    """Blocks that differ in an attribute (passed into their region themselves) whose float attribute, read in
+    forward, changes on all of them between steps: after the second change Dynamo takes it as an unspecialized
+    input (a tensor of the graph), and a trace stamped out for the next block re-read that block's as a constant
+    (AOTAutograd: "'float' object has no attribute 'item'"). Such a trace is not recorded
+    (``_invoke_subgraph._reads_number_as_tensor``): every step equal to eager FSDP2."""
+    torch.manual_seed(0)
+    m = _IndexedStack()
+    shard(m, list(m.blocks))
+    compiled = fc.compile(m, backend="aot_eager")
+    x = torch.randn(4, 8)
+    for k in (1.0, 3.0, 4.0):
+        for block in m.blocks:
+            block.k = k
+        with torch.no_grad():
+            expected = m(x)  # eager FSDP2
+        assert torch.equal(compiled(x), expected)
+
+
 # --- region admission (passes/regions.py), on Dynamo graphs without FSDP -----------------------------------
 
 

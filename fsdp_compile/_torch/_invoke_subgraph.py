@@ -30,7 +30,7 @@ was three traces a compile: a 2-layer Llama's first step under ``aot_eager`` wen
 **Reuse.** A region whose blocks differ in some attribute (HF decoder layers carry their ``layer_idx``) is
 traced for its first block; Dynamo then records the trace with the guards on what it read, and stamps it
 out for a later block whose guards hold (``torch/_dynamo/variables/invoke_subgraph.py``). ``reuse_checked``
-adds two things, during our compiled call only:
+adds these checks, during our compiled call only:
 
 * Dynamo guards on what the trace read from the objects as they were before the step, but an attribute the
   enclosing forward wrote earlier in the same trace (``block.scale = ...`` in the parent's loop) is read
@@ -42,6 +42,10 @@ adds two things, during our compiled call only:
   ("unsupported guard type"). The trace then stays unrecorded instead of failing the compile.
 * A trace that returns a tensor subclass (a DTensor its region left as one) is not recorded: Dynamo stamps a record's
   outputs out as plain tensors, so the code after a later block's call would be traced on plain tensors.
+* A trace that read a Python number the graph takes as a tensor (a float attribute automatic dynamic made an
+  unspecialized input after it changed between compiles) is not recorded: the stamped-out call for a later block
+  re-read that block's as a constant, where the body takes a tensor ("'float' object has no attribute 'item'" in
+  AOTAutograd; ``test_blocks_passed_in_whose_float_attribute_changes_between_steps``).
 
 and two savings on the way to a reuse: a call is fingerprinted (the leaves it matches a record by) without
 tracing ``pytree.tree_flatten`` through Dynamo where the call is plain (``_fingerprint``), and the check of
@@ -55,10 +59,10 @@ process, fake process group).
   fast tier). Goes when every supported torch registers its own Conjugate kernel (``register`` defers to it).
 * ``schemas_cached``: measured on 2.13.0; runs on 2.14.1 too (``test_regions.py``'s schema tests, fast tier).
   Goes when torch's ``gen_schema`` stops re-tracing a region per call.
-* ``reuse_checked``: both holes seen on 2.13.0, the only torch where guarded reuse is on (``GUARDED_REUSE``);
+* ``reuse_checked``: its holes seen on 2.13.0, the only torch where guarded reuse is on (``GUARDED_REUSE``);
   on 2.14.1 only keyed reuse passes through it. Goes when Dynamo guards a pending attribute write on reuse,
-  records without raising, and stops reusing across a differing float attribute (2.14.1,
-  ``test_which_blocks_share_a_region``).
+  records without raising, stamps an unspecialized number out as it traced it, and stops reusing across a
+  differing float attribute (2.14.1, ``test_which_blocks_share_a_region``).
 * ``subgraphs_donate_nothing``: seen on 2.13.0; checked on 2.13.0 and 2.14.1
   (``tests/test_ops.py::test_regions_under_inductor_two_layers``, CI's ``-m inductor tests/test_ops.py``). Goes
   when ``SubgraphLowering`` stops taking the enclosing graph's ``bw_donated_idxs``.
@@ -186,6 +190,16 @@ def _written_block(tx, fingerprint) -> bool:
     return False
 
 
+def _reads_number_as_tensor(tx, traced_sources) -> bool:
+    """Whether a region's trace read a Python number that the graph takes as a tensor (a float attribute that
+    changed between compiles: automatic dynamic makes it an unspecialized input). A later block's call stamped out
+    from that trace re-reads its own attribute as a constant, where the body takes a tensor (AOTAutograd: "'float'
+    object has no attribute 'item'"), so such a trace is not recorded: each block is traced as itself."""
+    if not traced_sources:
+        return False
+    return any(getattr(arg, "pass_arg_as_tensor", False) and arg.source in traced_sources for arg in tx.output.graphargs)
+
+
 class _NotPlain(Exception):
     pass
 
@@ -301,6 +315,9 @@ def reuse_checked():
             return False
         if _written_block(tx, fingerprint):
             variables.hc_log.debug("subgraph_reuse: not eligible (fsdp_compile) -- a block written in this trace")
+            return False
+        if not keyed and _reads_number_as_tensor(tx, args[1] if len(args) > 1 else kwargs.get("traced_sources")):
+            variables.hc_log.debug("subgraph_reuse: not eligible (fsdp_compile) -- reads a number passed as a tensor")
             return False
         return originals["is_reuse_eligible"](tx, body_r, fingerprint, *args, **kwargs)
 
