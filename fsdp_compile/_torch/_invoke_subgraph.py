@@ -191,10 +191,8 @@ def _written_block(tx, fingerprint) -> bool:
 
 
 def _reads_number_as_tensor(tx, traced_sources) -> bool:
-    """Whether a region's trace read a Python number that the graph takes as a tensor (a float attribute that
-    changed between compiles: automatic dynamic makes it an unspecialized input). A later block's call stamped out
-    from that trace re-reads its own attribute as a constant, where the body takes a tensor (AOTAutograd: "'float'
-    object has no attribute 'item'"), so such a trace is not recorded: each block is traced as itself."""
+    """Whether a region's trace read a Python number the graph takes as a tensor (an unspecialized float: such a
+    trace is not recorded, see ``reuse_checked``)."""
     if not traced_sources:
         return False
     return any(getattr(arg, "pass_arg_as_tensor", False) and arg.source in traced_sources for arg in tx.output.graphargs)
