@@ -132,7 +132,7 @@ def _symbolic_float(node: fx.Node) -> str | None:
     """``SYMBOLIC_FLOAT`` where a region call takes a SymFloat operand (AOTAutograd would refuse it: "invoke_subgraph
     operands must be a list of tensors/ints/SymInts/Generator")."""
     for arg in node.args[2:]:
-        if isinstance(arg, fx.Node) and isinstance(arg.meta.get("example_value", arg.meta.get("val")), torch.SymFloat):
+        if isinstance(arg, fx.Node) and isinstance(arg.meta.get("example_value"), torch.SymFloat):
             return SYMBOLIC_FLOAT
     return None
 
