@@ -304,7 +304,7 @@ class CompiledFSDPModule(nn.Module):
         plan = self.plan
 
         def build(key: tuple):
-            fn = _make_step(self._orig_mod, plan, schedule, self.kernels, key)
+            fn = _make_step(self._orig_mod, plan, schedule, self.kernels, key, self._attachment.deferred)
             # its own code object: Dynamo keeps its compiled entries (and its recompile limit, 8 by default)
             # per code object, so one process can hold many compiled models without their guards evicting each other
             fn = capture._unique_code(fn, f"fsdp_compile_step_{next(_instances)}")
@@ -381,15 +381,17 @@ def _named_collective_failures():
         ) from e
 
 
-def _make_step(model, plan, schedule, kernels, key: tuple):
+def _make_step(model, plan, schedule, kernels, key: tuple, deferred: dict[str, int]):
     # what the trace reads of each unit (its op arguments encoded: a constant string in the graph), found once
     units = capture.unit_traces(plan, schedule, kernels, key)
     places = capture.parameter_places(model, [fqn for u in units for fqn in u.fqns],
                                       {p.fqn: p.places for u in units for p in u.params if p.places})
+    # a deferred parameter is built only in its block's forward: not one held elsewhere too (tied)
+    deferred = {fqn: k for fqn, k in deferred.items() if len(places.get(fqn, ())) == 1}
 
     def step(shards, sinks, accumulated, partials, extensions, *args, **kwargs):
-        return capture.traced_forward(model, units, key, places, shards, sinks, accumulated, partials, extensions, args,
-                                      kwargs)
+        return capture.traced_forward(model, units, key, places, deferred, shards, sinks, accumulated, partials,
+                                      extensions, args, kwargs)
 
     return step
 

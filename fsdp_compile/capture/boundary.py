@@ -36,7 +36,12 @@ tensors (``__tensor_flatten__``), with a carrier of its gradient, and the region
 exists only inside the traced step), equal for every block of the kind (``subclass_reason``) and checked against
 the traced subclass's at every call (an error that names the fix where the extension's settings changed since).
 The subclass's gradient (torchao's float8 matmul gives its weight a plain one) leaves the region through the
-carrier unchanged, to ``_extensions.Attach`` and the reduce-scatter, as inline. A TP parameter's DTensor of such a
+carrier unchanged, to ``_extensions.Attach`` and the reduce-scatter, as inline. With regions on, the top level
+builds neither the subclass nor its TP DTensor for a template region's blocks: ``traced_forward`` defers those
+parameters (``capture.forward.Deferred``), and each block's call hands its region the inner tensors straight from
+``fsdp_post_all_gather`` on the all-gather's outputs (``SubclassCrossing.direct``, one node a weight where
+``Attach``, ``_as_dtensor``, ``to_local`` and ``Inner`` were four); a block of the kind that runs inline builds
+its own. A TP parameter's DTensor of such a
 subclass (torchao's float8 x TP) crosses the same way: its local tensor flattened, rebuilt inside, then made the
 DTensor. The float8 activations such blocks make inside (a DTensor of a ``Float8TrainingTensor``) need two torch
 fixes to trace as a region (``_torch/_nested_subclasses.py``).
@@ -48,7 +53,9 @@ from typing import NamedTuple
 
 import torch
 import torch.nn as nn
+from torch.utils import _pytree as pytree
 
+from fsdp_compile._extensions import Attach
 from fsdp_compile.capture.forward import data_parallel_grad
 
 
@@ -110,14 +117,20 @@ def _shown(spec) -> str:
     return "a plain tensor" if spec is None else f"{spec.describe()}, shape {tuple(spec.shape)}"
 
 
-def flattened(tensors: tuple, specs: tuple, subclasses: tuple | None = None) -> tuple | None:
+def flattened(tensors: tuple, specs: tuple, subclasses: tuple | None = None, direct: tuple | None = None
+              ) -> tuple | None:
     """The region's operands: each DTensor parameter as its local tensor, each subclass (its local tensor) as
     its inner tensors and a carrier of its gradient (``SubclassCrossing``), outside the region; None where one
-    is not what the region was made for now (something replaced it: the block then runs inline)."""
+    is not what the region was made for now (something replaced it: the block then runs inline). ``direct``:
+    per tensor, the operands ``SubclassCrossing.direct`` made of it straight from the all-gather (None: from
+    ``tensors``)."""
     from torch.distributed.tensor import DTensor
 
     out = []
-    for t, s, sub in zip(tensors, specs, subclasses or (None,) * len(specs)):
+    for j, (t, s, sub) in enumerate(zip(tensors, specs, subclasses or (None,) * len(specs))):
+        if direct is not None and direct[j] is not None:
+            out += direct[j]
+            continue
         if s is not None:
             if not isinstance(t, DTensor):
                 return None
@@ -172,11 +185,14 @@ class SubclassCrossing(NamedTuple):
     and a carrier, and ``rebuild`` (inside) builds the subclass back from them; the carrier (the parameter's
     shape and dtype, no memory: stride 0) takes the subclass's gradient out of the region, where ``inner``'s
     backward hands it to the subclass, whose own backward (``_extensions.Attach``) takes it to the all-gather's.
-    Only pass-throughs: the gradient the reduce-scatter gets is the inline compile's."""
+    Only pass-throughs: the gradient the reduce-scatter gets is the inline compile's. ``direct`` is ``Attach``
+    and ``inner`` in one, on what the all-gather returned (``capture.forward``'s deferred parameters): the
+    subclass, and the TP DTensor of it that the block's own forward would read, are never built at top level."""
 
     spec: SubclassSpec
     inner: type
     rebuild: type
+    direct: type
 
 
 def subclass_specs(plan, fqn: str, names) -> tuple:
@@ -223,20 +239,25 @@ def subclass_crossings(specs: tuple) -> tuple:
     return tuple(None if s is None else SubclassCrossing(s, *_subclass_functions(s)) for s in specs)
 
 
-def _subclass_functions(spec: SubclassSpec) -> tuple[type, type]:
+def _subclass_functions(spec: SubclassSpec) -> tuple[type, type, type]:
+    def inner_tensors(t, fresh=()) -> tuple:
+        # checked here, where Dynamo runs it on the traced subclass, not traces it: traced (with the comparison
+        # of the context, a dict for torchao's), it took about 35 ms of a float8 x TP Llama block's 0.89 s
+        ctx = spec.cls.__tensor_flatten__(t)[1]
+        if not _same(ctx, spec.ctx):
+            raise RuntimeError(
+                f"fsdp_compile: fsdp_post_all_gather built a {spec.cls.__name__} of flatten context {ctx!r} in the "
+                f"trace, where it built one of {spec.ctx!r} when fsdp_compile.compile read it: the all-gather "
+                "extension's settings changed since; call fsdp_compile.compile again")
+        carrier = torch.empty_strided(t.shape, (0,) * t.dim(), dtype=t.dtype, device=t.device)
+        inner = [getattr(t, n) for n in spec.names]
+        # an inner tensor that is one of ``fresh`` is copied: region operands may not alias one another
+        return (*(x.clone() if any(x is f for f in fresh) else x.view_as(x) for x in inner), carrier)
+
     class Inner(torch.autograd.Function):
         @staticmethod
         def forward(t):
-            # checked here, where Dynamo runs it on the traced subclass, not traces it: traced (with the comparison
-            # of the context, a dict for torchao's), it took about 35 ms of a float8 x TP Llama block's 0.89 s
-            ctx = spec.cls.__tensor_flatten__(t)[1]
-            if not _same(ctx, spec.ctx):
-                raise RuntimeError(
-                    f"fsdp_compile: fsdp_post_all_gather built a {spec.cls.__name__} of flatten context {ctx!r} in the "
-                    f"trace, where it built one of {spec.ctx!r} when fsdp_compile.compile read it: the all-gather "
-                    "extension's settings changed since; call fsdp_compile.compile again")
-            carrier = torch.empty_strided(t.shape, (0,) * t.dim(), dtype=t.dtype, device=t.device)
-            return (*(getattr(t, n).view_as(getattr(t, n)) for n in spec.names), carrier)
+            return inner_tensors(t)
 
         @staticmethod
         def setup_context(ctx, inputs, output):
@@ -260,9 +281,29 @@ def _subclass_functions(spec: SubclassSpec) -> tuple[type, type]:
         def backward(ctx, grad):
             return (*(None for _ in spec.names), grad)
 
-    for fn in (Inner, Rebuild):
+    class Direct(torch.autograd.Function):
+        """``Attach`` then ``Inner``, on ``Attach``'s arguments; the carrier's gradient goes to the handle. A
+        metadata tensor that the subclass holds as it is (torchao's scale, 0-dim) is copied: precomputed scales are
+        views of one tensor, and Dynamo refuses region operands that alias one another (``Inner`` on ``Attach``'s
+        output met no such aliasing there)."""
+
+        @staticmethod
+        def forward(local, outputs, metadata, handle, param_dtype, size, stride, fqn):
+            full = Attach.forward(local, outputs, metadata, handle, param_dtype, size, stride, fqn)
+            return inner_tensors(full, [x for x in pytree.tree_leaves(metadata) if isinstance(x, torch.Tensor)])
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            ctx.mark_non_differentiable(*output[:-1])
+            ctx.set_materialize_grads(False)
+
+        @staticmethod
+        def backward(ctx, *grads):
+            return None, None, None, grads[-1], None, None, None, None
+
+    for fn in (Inner, Rebuild, Direct):
         torch._dynamo.allow_in_graph(fn)
-    return Inner, Rebuild
+    return Inner, Rebuild, Direct
 
 
 class _RegionDTensor(torch.autograd.Function):

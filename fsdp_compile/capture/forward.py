@@ -18,6 +18,7 @@ import torch.nn as nn
 
 from fsdp_compile import _extensions
 from fsdp_compile._annotations import UNSHARD, annotate
+from fsdp_compile.capture.step import STEP
 from fsdp_compile.ops import Comm, Reduction, UnshardArgs
 from fsdp_compile.passes.schedule import Schedule, Unit
 from fsdp_compile.plan import ParamPlan, ShardingPlan
@@ -36,6 +37,24 @@ class UnitTrace(NamedTuple):
     param_dtype: torch.dtype | None
 
 
+class Deferred(NamedTuple):
+    """An all-gather extension's parameter that its block's region takes as the inner tensors of what
+    ``fsdp_post_all_gather`` builds (``boundary.SubclassCrossing.direct``): left unbuilt by ``traced_forward``,
+    built by the block's forward where it runs inline (``materialized``)."""
+
+    attach: tuple  # ``_extensions.Attach``'s arguments
+    parallel: object  # ``ParamPlan.parallel``: its TP spec, or None
+    members: tuple[str, ...]  # its unit's FSDP modules, and the unit's index: the unshard annotation
+    unit: int
+
+
+def materialized(entry: Deferred) -> torch.Tensor:
+    """The unsharded parameter ``traced_forward`` would have built of ``entry``, for its block's own forward."""
+    with annotate(UNSHARD, entry.members, entry.unit):
+        t = _extensions.Attach.apply(*entry.attach)
+        return t if entry.parallel is None else _as_dtensor(t, entry.parallel)
+
+
 def unit_traces(plan: ShardingPlan, schedule: Schedule, kernels: str, key: tuple) -> list[UnitTrace]:
     """``UnitTrace`` of every unit of ``schedule``, for the all-gather extension key ``key``."""
     out = []
@@ -50,16 +69,19 @@ def unit_traces(plan: ShardingPlan, schedule: Schedule, kernels: str, key: tuple
 
 
 def traced_forward(
-    model: nn.Module, units: list[UnitTrace], key: tuple, places: dict, shards: list[list[torch.Tensor]],
-    sinks: list[list], accumulated: list[list], partials: list[tuple[list, list]], extensions: list[list], args, kwargs
+    model: nn.Module, units: list[UnitTrace], key: tuple, places: dict, deferred: dict[str, int],
+    shards: list[list[torch.Tensor]], sinks: list[list], accumulated: list[list], partials: list[tuple[list, list]],
+    extensions: list[list], args, kwargs
 ):
     """The function Dynamo captures: one ``fsdp_compile::unshard`` per unit of the schedule (``shards[i]``:
     the local shards of ``units[i].params``, whose op arguments ``units[i].arguments`` were encoded before
     tracing; ``sinks[i]`` / ``accumulated[i]``: gradient accumulation without sync, ``partials[i]``: HSDP's
     without all-reduce (its partial sinks, its partials), see the op; ``key[i]`` /
     ``extensions[i]``: its all-gather extensions, ``_extensions.prepare``), then the model on the full
-    parameters (``places``: ``parameter_places``)."""
-    full = {}
+    parameters (``places``: ``parameter_places``). An extension parameter that ``deferred`` names (by its key,
+    ``regions.install_regions``) is not built here, with regions on: its block's forward finds what it is built
+    of in ``STEP.pieces``, under that key."""
+    full, pieces, regions = {}, {}, STEP.regions
     for i, (unit, unit_shards) in enumerate(zip(units, shards)):
         if key[i] is None:
             gathered = torch.ops.fsdp_compile.unshard(unit_shards, sinks[i], accumulated[i], *partials[i], [], unit.arguments)
@@ -79,12 +101,26 @@ def traced_forward(
                     t = next(outs)
                 else:
                     outputs = [next(outs) for _ in range(layout.n_inputs)]
-                    t = _extensions.post_all_gather(
+                    attach = _extensions.attach_args(
                         selves.pop(0), outputs, metadatas.pop(0), next(outs), unit.param_dtype or p.orig_dtype, p.extension, p.fqn)
+                    if regions and p.fqn in deferred:
+                        pieces[deferred[p.fqn]] = Deferred(attach, p.parallel, unit.members, i)
+                        # None in its place (nothing but its block's forward reads it, which builds it if it runs
+                        # inline): the sharded parameter left there had the region's trace guard on its inner tensors
+                        # (``_reparametrize_module`` reads what it swaps), which precomputed float8 scales change
+                        full[p.fqn] = None
+                        continue
+                    t = _extensions.Attach.apply(*attach)
                 # a TP parameter's rebuilt local tensor (torchao's Float8TrainingTensor) as its TP DTensor, as FSDP2's
                 # init_unsharded_param wraps what fsdp_post_all_gather returns
                 full[p.fqn] = t if p.parallel is None else _as_dtensor(t, p.parallel)
-    return call_with(model, places, full, args, kwargs)
+    if not pieces:
+        return call_with(model, places, full, args, kwargs)
+    previous, STEP.pieces = STEP.pieces, pieces
+    try:
+        return call_with(model, places, full, args, kwargs)
+    finally:
+        STEP.pieces = previous
 
 
 def parameter_places(model: nn.Module, fqns, own: dict[str, tuple[str, ...]] | None = None

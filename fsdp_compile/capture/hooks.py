@@ -160,6 +160,11 @@ class Attachment:
     def loggers(self) -> list[tuple[object, object]]:
         return self._installed.loggers
 
+    @property
+    def deferred(self) -> dict[str, int]:
+        """``install_regions``' deferred parameters: fqn -> key."""
+        return self._installed.deferred
+
     def detach(self) -> None:
         if not self.attached:
             return
@@ -181,8 +186,9 @@ class Attachment:
 
 
 class _Installed:
-    def __init__(self, hooks, repeated, forwards, loggers):
+    def __init__(self, hooks, repeated, forwards, loggers, deferred):
         self.hooks, self.repeated, self.forwards, self.loggers, self.users = hooks, repeated, forwards, loggers, 0
+        self.deferred = deferred
 
 
 _INSTALLED: "weakref.WeakKeyDictionary[nn.Module, _Installed]" = weakref.WeakKeyDictionary()
@@ -193,8 +199,8 @@ def attach(model: nn.Module, plan: ShardingPlan) -> Attachment:
     installed = _INSTALLED.get(model)
     if installed is None:
         hooks = install_hooks(model) + install_checkpoint_hooks(model)
-        repeated, forwards = install_regions(model, plan)
+        repeated, forwards, deferred = install_regions(model, plan)
         forwards += install_checkpoint_forwards(model)
-        installed = _INSTALLED[model] = _Installed(hooks, repeated, forwards, install_logging(model))
+        installed = _INSTALLED[model] = _Installed(hooks, repeated, forwards, install_logging(model), deferred)
     installed.users += 1
     return Attachment(model, installed)

@@ -28,10 +28,11 @@ import types
 import torch
 import torch.nn as nn
 
+from fsdp_compile._annotations import UNSHARD, annotate
 from fsdp_compile._torch import _invoke_subgraph
 from fsdp_compile.capture import block_hooks, boundary
 from fsdp_compile.capture.boundary import INLINE_PARALLEL, INLINE_SUBCLASS
-from fsdp_compile.capture.forward import _get
+from fsdp_compile.capture.forward import _get, materialized
 from fsdp_compile.capture.step import STEP
 from fsdp_compile.plan import ShardingPlan
 
@@ -150,28 +151,37 @@ def inline_reason(plan: ShardingPlan, fqns: list[str], model: nn.Module) -> str 
     return getattr(getattr(region, "__marked_compile_region_fn__", None), "fsdp_compile_inline_why", None)
 
 
-def install_regions(model: nn.Module, plan: ShardingPlan) -> tuple[list[list[str]], list]:
+_DEFERRED = itertools.count()
+
+
+def install_regions(model: nn.Module, plan: ShardingPlan) -> tuple[list[list[str]], list, dict[str, int]]:
     """Route every repeated block's forward through its region while a compiled step runs with regions on
     (outside a compiled step the block's own forward runs). Returns the repeated blocks (kind ``i`` runs as
-    ``fsdp_compile_region_<i>``, unless ``passes/regions.py`` inlines its calls) and, per block routed,
-    ``(block, its previous instance forward or None, the routing forward)`` for ``Attachment.detach``."""
+    ``fsdp_compile_region_<i>``, unless ``passes/regions.py`` inlines its calls), per block routed,
+    ``(block, its previous instance forward or None, the routing forward)`` for ``Attachment.detach``, and the
+    parameters whose region takes them straight from the all-gather (a template region's subclass parameters:
+    ``capture.forward.Deferred``), each by fqn with the key its block's forward looks it up by."""
     _invoke_subgraph.register()
     modules = dict(model.named_modules())
     repeated = find_repeated_blocks(model, plan)
-    forwards = []
+    forwards, deferred = [], {}
     for index, fqns in enumerate(repeated):
         blocks = [modules[f] for f in fqns]
         if inline_reason(plan, fqns, model) is not None:
             continue
         crossing = _crossing(plan, fqns[0], _tensor_names(blocks[0]))
         region, names, pass_block = _make_region(blocks, index, crossing)
-        for block in blocks:
+        for fqn, block in zip(fqns, blocks):
             previous = block.__dict__.get("forward")
             # the template with itself: its attributes read at top level before its region's body reads them
             pairs = () if pass_block else _attribute_pairs(block, blocks[0])
-            block.forward = _regional_forward(block, region, names, pass_block, pairs, crossing)
+            keys = ()
+            if crossing is not None and not pass_block:
+                keys = tuple(None if sub is None else next(_DEFERRED) for sub in crossing[1])
+                deferred.update((f"{fqn}.{name}", k) for name, k in zip(names, keys) if k is not None)
+            block.forward = _regional_forward(block, region, names, pass_block, pairs, crossing, keys)
             forwards.append((block, previous, block.forward))
-    return repeated, forwards
+    return repeated, forwards, deferred
 
 
 def _crossing(plan: ShardingPlan, fqn: str, names) -> tuple | None:
@@ -229,29 +239,52 @@ def _holders(block: nn.Module, names) -> tuple:
     return tuple(out)
 
 
-def _regional_forward(block: nn.Module, region, names, pass_block: bool, pairs: tuple = (), crossing=None):
+def _regional_forward(block: nn.Module, region, names, pass_block: bool, pairs: tuple = (), crossing=None,
+                      keys: tuple = ()):
+    """``keys``: per tensor of ``names``, the key of its ``capture.forward.Deferred`` in ``STEP.pieces``, or None."""
     own = getattr(block.forward, "fsdp_compile_own_forward", block.forward)  # the bound method of its class
     made = getattr(region, "fsdp_compile_made", None)
     dtensors = boundary.dtensor_parameters(crossing)
     holders = _holders(block, names)
     buffers = len(names) - len(tuple(nn.Module.named_parameters(block)))  # ``names`` lists them last (``_tensor_names``)
 
+    def inline(entries, args, kwargs):
+        """The block's own forward, with its deferred parameters built and in place for the call."""
+        if entries is None:
+            return own(*args, **kwargs)
+        saved = []
+        try:
+            for (held, key), entry in zip(holders, entries):
+                if entry is not None:
+                    saved.append((held, key, held[key]))
+                    held[key] = materialized(entry)
+            return own(*args, **kwargs)
+        finally:
+            for held, key, param in reversed(saved):
+                held[key] = param
+
     def forward(*args, **kwargs):
+        pieces = STEP.pieces
+        entries = None
+        if keys and pieces is not None:
+            entries = tuple([None if k is None else pieces.get(k) for k in keys])
+            if not any(e is not None for e in entries):
+                entries = None
         if not (STEP.active and STEP.regions):
-            return own(*args, **kwargs)
+            return inline(entries, args, kwargs)
         if pairs and _written_apart(pairs):  # the template's trace would run with the template's values
-            return own(*args, **kwargs)
+            return inline(entries, args, kwargs)
         # the unsharded tensors that traced_forward's call_with put in place, as the region's inputs
         tensors = tuple([held[key] for held, key in holders])
         if crossing is not None:  # DTensor and subclass parameters go in flattened (``boundary``)
-            tensors = boundary.flattened(tensors, *crossing)
+            tensors = boundary.flattened(tensors, *crossing, _direct(entries, crossing[1]))
             if tensors is None:
-                return own(*args, **kwargs)
+                return inline(entries, args, kwargs)
         if pass_block:
             return region(block, tensors, *args, **kwargs)
         spec, operands = _flatten_call(tensors, args, kwargs)
         if boundary.symbolic_dtensor_call(operands, dtensors):
-            return own(*args, **kwargs)  # dynamic shapes: a layout's shape cannot be a constant of the region
+            return inline(entries, args, kwargs)  # dynamic shapes: a layout's shape cannot be a constant of the region
         if spec is not None:  # DTensor activations and buffers (torchtitan's RoPE cache) go in as local tensors
             operands, named = boundary.activations_flattened(operands, len(tensors) - buffers)
             spec = f"{spec}#{named}" if named else spec
@@ -262,6 +295,24 @@ def _regional_forward(block: nn.Module, region, names, pass_block: bool, pairs: 
     forward.fsdp_compile_passes_block = pass_block  # blocks differ in an attribute: each traced as itself
     forward.fsdp_compile_own_forward = own
     return forward
+
+
+def _direct(entries, subclasses) -> tuple | None:
+    """Per tensor, the region operands ``SubclassCrossing.direct`` makes of its ``Deferred`` entry (None: none),
+    annotated as part of the unshard of the entry's unit (``passes/recompute.py`` re-gathers what it tags)."""
+    if entries is None:
+        return None
+    out, units = [None] * len(entries), []
+    for entry in entries:
+        if entry is not None and entry.unit not in units:
+            units.append(entry.unit)
+    for unit in units:  # one annotation per unit (a block's parameters are in one, mostly)
+        members = next(e.members for e in entries if e is not None and e.unit == unit)
+        with annotate(UNSHARD, members, unit):
+            for j, (entry, sub) in enumerate(zip(entries, subclasses)):
+                if entry is not None and entry.unit == unit:
+                    out[j] = sub.direct.apply(*entry.attach)
+    return tuple(out)
 
 
 # A region call whose operands are all leaves (tensors, constants, modules), with no keyword arguments, is

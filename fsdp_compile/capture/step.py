@@ -17,8 +17,10 @@ class _StepState:
     (and being traced: Dynamo guards on these attributes), and whether repeated blocks run as regions.
     Set only for the duration of one compiled call, by ``active``; one object, so the guards stay put."""
 
-    active = False
-    regions = False
+    def __init__(self):
+        self.active = False
+        self.regions = False
+        self.pieces = None  # while ``traced_forward`` runs the model: its deferred parameters by key (``forward.Deferred``)
 
 
 STEP = _StepState()
