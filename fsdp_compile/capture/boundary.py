@@ -281,7 +281,7 @@ def _subclass_functions(spec: SubclassSpec) -> tuple[type, type, type]:
         def backward(ctx, grad):
             return (*(None for _ in spec.names), grad)
 
-    class Direct(torch.autograd.Function):
+    class Direct(Inner):  # Inner's setup_context
         """``Attach`` then ``Inner``, on ``Attach``'s arguments; the carrier's gradient goes to the handle. A
         metadata tensor that the subclass holds as it is (torchao's scale, 0-dim) is copied: precomputed scales are
         views of one tensor, and Dynamo refuses region operands that alias one another (``Inner`` on ``Attach``'s
@@ -291,11 +291,6 @@ def _subclass_functions(spec: SubclassSpec) -> tuple[type, type, type]:
         def forward(local, outputs, metadata, handle, param_dtype, size, stride, fqn):
             full = Attach.forward(local, outputs, metadata, handle, param_dtype, size, stride, fqn)
             return inner_tensors(full, [x for x in pytree.tree_leaves(metadata) if isinstance(x, torch.Tensor)])
-
-        @staticmethod
-        def setup_context(ctx, inputs, output):
-            ctx.mark_non_differentiable(*output[:-1])
-            ctx.set_materialize_grads(False)
 
         @staticmethod
         def backward(ctx, *grads):
