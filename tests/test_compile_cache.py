@@ -191,7 +191,8 @@ def test_restarts_of_graphs_with_autograd_functions_and_meshes_are_served(tmp_pa
 
 def test_autograd_function_and_mesh_keys():
     """What ``_torch/_aot_cache.py`` keys: a trampoline by its Function's class, source and package version
-    (two classes, two keys; the same class, the same key), anything else as torch keys it; a DeviceMesh by its
+    (two classes, two keys; the same class, the same key; classes made per use, by their constants too), anything
+    else as torch keys it; a DeviceMesh by its
     layout and process group names, the same for the same mesh in any process."""
     import torch
     from torch._dynamo.variables.misc import produce_trampoline_autograd_apply
@@ -210,6 +211,17 @@ def test_autograd_function_and_mesh_keys():
         assert a == fmt("f", produce_trampoline_autograd_apply(Attach)) and a != b
         assert a.startswith("# cache_key_autograd_function f: fsdp_compile._extensions.Attach "), a
         assert fmt("torch", torch) == plain
+        # a region crossing's classes, made per kind: keyed by their constants too (a subclass's flatten context)
+        from fsdp_compile.capture import boundary
+
+        def crossing(ctx):
+            return boundary.subclass_crossings((boundary.SubclassSpec(torch.Tensor, ("_data",), ctx, (4,), (1,)),))[0]
+
+        one, same, other = crossing({"emulate": False}), crossing({"emulate": False}), crossing({"emulate": True})
+        for f in ("inner", "rebuild", "direct"):
+            key = fmt("f", produce_trampoline_autograd_apply(getattr(one, f)))
+            assert key == fmt("f", produce_trampoline_autograd_apply(getattr(same, f)))
+            assert key != fmt("f", produce_trampoline_autograd_apply(getattr(other, f)))
     with pytest.raises(Exception, match="was not found"):  # restored: torch's own, which cannot name it
         AOTAutogradCachePickler._format_global_for_cache_key("f", produce_trampoline_autograd_apply(Attach))
     with fake_process_group(4):

@@ -8,7 +8,8 @@
   warm start of a TP or float8 model then traced and partitioned the step again (the FX graph cache still
   served Inductor). Keyed here by the class's module, qualified name and source text, and its package's
   version (what the class calls: torchao's float8 code; our own source is in the key already, through our
-  passes' ``uuid``); a class whose source cannot be read still bypasses. AOTAutograd traces through the
+  passes' ``uuid``), and by its ``fsdp_compile_key`` where it has one (the constants of a class made per use); a
+  class whose source cannot be read still bypasses. AOTAutograd traces through the
   Function, so its cached graphs do not call it.
 * **A DeviceMesh among the graph's inputs** (TP/EP layouts, an opaque object in 2.13): the key pickles the
   mesh itself, with the pickler's memo switched on midway, and the bytes differ from process to process,
@@ -24,6 +25,7 @@ keys the Function itself) and DeviceMesh pickles the same in every process.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import inspect
 import pickle
@@ -49,14 +51,24 @@ def _function_class(obj) -> type | None:
 
 
 def _function_key(name: str, cls: type) -> str:
+    return f"# cache_key_autograd_function {name}: {_class_key(cls)}"
+
+
+@functools.lru_cache(maxsize=1024)
+def _class_key(cls: type) -> str:
+    """Once per class: the key pickles every node that calls one (a float8 block's weights, 7 a layer), and
+    ``inspect.getsource`` of a class parses its module (about 3 ms a call, a local class's module included)."""
     try:
         source = inspect.getsource(cls)
     except (OSError, TypeError) as e:  # AOTAutograd turns a pickling error into a bypass, as before
         raise pickle.PicklingError(f"autograd Function {cls.__qualname__}: no source to key it by ({e})") from e
+    # a class made per use holds its constants in a closure, which its source does not show: it names them
+    # (``capture.boundary``'s crossings: the subclass's flatten context)
+    source += getattr(cls, "fsdp_compile_key", "")
     digest = hashlib.sha256(source.encode()).hexdigest()
     package = sys.modules.get(cls.__module__.partition(".")[0])  # torchao: its version keys what the class calls
     version = getattr(package, "__version__", "")
-    return f"# cache_key_autograd_function {name}: {cls.__module__}.{cls.__qualname__} {digest} {version}"
+    return f"{cls.__module__}.{cls.__qualname__} {digest} {version}"
 
 
 def _mesh_key(mesh) -> tuple:

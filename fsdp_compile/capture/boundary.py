@@ -297,6 +297,7 @@ def _subclass_functions(spec: SubclassSpec) -> tuple[type, type, type]:
             return None, None, None, grads[-1], None, None, None, None
 
     for fn in (Inner, Rebuild, Direct):
+        fn.fsdp_compile_key = repr(spec)  # AOTAutograd's cache key (``_torch/_aot_cache.py``): its source does not show it
         torch._dynamo.allow_in_graph(fn)
     return Inner, Rebuild, Direct
 
