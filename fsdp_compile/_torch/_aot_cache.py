@@ -57,7 +57,7 @@ def _function_key(name: str, cls: type) -> str:
 @functools.lru_cache(maxsize=1024)
 def _class_key(cls: type) -> str:
     """Once per class: the key pickles every node that calls one (a float8 block's weights, 7 a layer), and
-    ``inspect.getsource`` of a class parses its module (about 3 ms a call, a local class's module included)."""
+    ``inspect.getsource`` of a class parses its module (3 ms a call for ``Attach``, 11 for a crossing's ``Direct``)."""
     try:
         source = inspect.getsource(cls)
     except (OSError, TypeError) as e:  # AOTAutograd turns a pickling error into a bypass, as before

@@ -6,7 +6,8 @@ gradients arrive as Shard(0) DTensor ``.grad`` on the original parameters), then
 full tensors in its parameters' places (``call_with``). The passes then move each unshard to just before
 its group's first use (``passes/placement.py``), which is where FSDP2's pre-forward hook would have issued
 it. Everything ``traced_forward`` reads is found once, outside the trace (``unit_traces``,
-``parameter_places``): Dynamo traces every read.
+``parameter_places``): Dynamo traces every read. Not put in place: a region block's all-gather extension
+parameters (torchao's float8 weights), which its region takes straight from the all-gather (``Deferred``).
 """
 
 from __future__ import annotations
