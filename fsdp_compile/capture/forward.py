@@ -153,10 +153,11 @@ def _held(model: nn.Module, fqn: str) -> tuple[nn.Module, str]:
     return (_get(model, path) if path else model), name
 
 
-def call_with(model: nn.Module, places: dict, tensors: dict[str, torch.Tensor], args, kwargs):
+def call_with(model, places: dict, tensors: dict, args, kwargs):
     """``model(*args, **kwargs)`` with each parameter named in ``tensors`` replaced, at every place it is held
     (``parameter_places``), by its tensor: ``functional_call(model, tensors, args, kwargs, tie_weights=True)``
-    for a dict of parameters, without the module walk. The parameters are put back on the way out."""
+    for a dict of parameters, without the module walk. The parameters are put back on the way out. ``model``
+    may be any callable (a block's own forward: ``regions._regional_forward``'s inline build)."""
     saved = []
     try:
         for fqn, tensor in tensors.items():

@@ -32,7 +32,7 @@ from fsdp_compile._annotations import UNSHARD, annotate
 from fsdp_compile._torch import _invoke_subgraph
 from fsdp_compile.capture import block_hooks, boundary
 from fsdp_compile.capture.boundary import INLINE_PARALLEL, INLINE_SUBCLASS
-from fsdp_compile.capture.forward import _get, materialized
+from fsdp_compile.capture.forward import _get, call_with, materialized
 from fsdp_compile.capture.step import STEP
 from fsdp_compile.plan import ShardingPlan
 
@@ -252,16 +252,8 @@ def _regional_forward(block: nn.Module, region, names, pass_block: bool, pairs: 
         """The block's own forward, with its deferred parameters built and in place for the call."""
         if entries is None:
             return own(*args, **kwargs)
-        saved = []
-        try:
-            for (held, key), entry in zip(holders, entries):
-                if entry is not None:
-                    saved.append((held, key, held[key]))
-                    held[key] = materialized(entry)
-            return own(*args, **kwargs)
-        finally:
-            for held, key, param in reversed(saved):
-                held[key] = param
+        built = {j: materialized(entry) for j, entry in enumerate(entries) if entry is not None}
+        return call_with(own, {j: (holders[j],) for j in built}, built, args, kwargs)
 
     def forward(*args, **kwargs):
         pieces = STEP.pieces
@@ -304,10 +296,9 @@ def _direct(entries, subclasses) -> tuple | None:
         return None
     out, units = [None] * len(entries), []
     for entry in entries:
-        if entry is not None and entry.unit not in units:
-            units.append(entry.unit)
-    for unit in units:  # one annotation per unit (a block's parameters are in one, mostly)
-        members = next(e.members for e in entries if e is not None and e.unit == unit)
+        if entry is not None and (entry.members, entry.unit) not in units:
+            units.append((entry.members, entry.unit))
+    for members, unit in units:  # one annotation per unit (a block's parameters are in one, mostly)
         with annotate(UNSHARD, members, unit):
             for j, (entry, sub) in enumerate(zip(entries, subclasses)):
                 if entry is not None and entry.unit == unit:
