@@ -1,6 +1,6 @@
 """Planning time: the schedule every rank plans at its first compiled step, for Llama-3 shapes sharded on
 the fake process group (meta device: no compute, no memory), per bucket policy, with the planner's search
-as it is (``predict.Search``: each candidate simulated only where it differs from the current schedule)
+as it is (``search.Search``: each candidate simulated only where it differs from the current schedule)
 beside the same search judging every candidate by a prediction of the whole step (as it was before
 2026-11-27), in one run; the two must plan the same schedule, bit for bit (the digests are compared).
 
@@ -30,10 +30,11 @@ import _harness as H  # noqa: E402
 from fsdp_compile.models import SIZES, Llama, llama_blocks  # noqa: E402
 from fsdp_compile.passes import CostModel, modules_of, planner  # noqa: E402
 from fsdp_compile.passes import predict as P  # noqa: E402
+from fsdp_compile.passes import search as S  # noqa: E402
 from fsdp_compile.plan import read_plan  # noqa: E402
 
 
-class WholeSearch(P.Search):
+class WholeSearch(S.Search):
     """The search judging every candidate by ``predict`` on the whole schedule."""
 
     def __init__(self, units, modules, cost_model, workload, memo=None):
@@ -73,7 +74,7 @@ def plan(mods, policy: str, hardware: str, search, repeats: int) -> tuple[float,
             digest = s.digest()
         return best, digest, len(s.units)
     finally:
-        planner.Search = P.Search
+        planner.Search = S.Search
 
 
 def main():
@@ -92,7 +93,7 @@ def main():
         size, world = config.split(":")
         mods = modules(size, int(world))
         for policy in args.policies:
-            s, digest, units = plan(mods, policy, args.hardware, P.Search, args.repeats)
+            s, digest, units = plan(mods, policy, args.hardware, S.Search, args.repeats)
             row = {"model": size, "world_size": int(world), "policy": policy, "units": units, "search_s": s,
                    "whole_s": None, "same_plan": None}
             if units <= args.whole_max_units:

@@ -313,7 +313,7 @@ def test_search_predicts_like_predict(monkeypatch):
     schedule (times to a trillionth, bytes exactly), the shortcut is taken, and the schedules planned are
     those a search by whole predictions plans, bit for bit."""
     from fsdp_compile.passes import planner
-    from fsdp_compile.passes import predict as P
+    from fsdp_compile.passes import search as P
 
     met = []
     meets = P._meets
@@ -361,7 +361,8 @@ def test_search_predicts_like_predict(monkeypatch):
 def test_states_meet_only_up_to_a_shift_in_time():
     """``_meets``: two simulations meet where everything ahead of them is the same relative to now: the
     bytes live, the buffers held, the collectives pending and when each ends, when each stream is free."""
-    from fsdp_compile.passes.predict import _Machine, _meets, _rs
+    from fsdp_compile.passes.predict import _Machine, _rs
+    from fsdp_compile.passes.search import _meets
 
     def machine(t0, *, second=1.0, pg="pg", release=True):
         m = _Machine(PROFILE, False)

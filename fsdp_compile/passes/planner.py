@@ -12,7 +12,8 @@ import time
 from collections.abc import Sequence
 
 from fsdp_compile.passes.cost_model import CostModel
-from fsdp_compile.passes.predict import Search, peak_bytes, predict, step_s
+from fsdp_compile.passes.predict import peak_bytes, predict, step_s
+from fsdp_compile.passes.search import Search
 from fsdp_compile.passes.schedule import Module, Schedule, Unit, backward_order
 from fsdp_compile.plan import inside
 
