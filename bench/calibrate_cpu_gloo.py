@@ -16,6 +16,12 @@ measures, on both ranks at once (as in training):
 Usage: ``python bench/calibrate_cpu_gloo.py [--out bench/results/calibrate_cpu_gloo.json]``. Prints medians
 per size and the fitted constants to paste into ``CPU_GLOO``, and writes them with the raw measurements to
 the JSON file that the profile cites. Takes ~30 s.
+
+``--all-reduce`` measures ``_c10d_functional.all_reduce`` the same way, on its own: gloo runs it with an
+algorithm of its own speed (torch's gloo reduce-scatter is an all-reduce of its whole input plus a copy,
+so the shared fit above prices an all-reduce at about twice what it takes). It fits ``t = alpha + x /
+bus_bw`` with the ring's ``x = 2 bytes (W-1)/W`` and writes ``calibrate_cpu_gloo_all_reduce.json``, the
+source of ``CPU_GLOO.kind_links``. The rest of the profile is left as it is.
 """
 
 from __future__ import annotations
@@ -62,7 +68,8 @@ def _agreed(t: float) -> float:
     return float(x)
 
 
-def _worker(rank: int, store_path: str, out_path: str) -> None:
+def _worker(rank: int, store_path: str, out_path: str, kinds: tuple[str, ...] = ("all_gather", "reduce_scatter"),
+            compute: bool = True) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, W), rank=rank, world_size=W)
@@ -70,7 +77,7 @@ def _worker(rank: int, store_path: str, out_path: str) -> None:
     group_name = dist.group.WORLD.group_name
     res: dict = {"collectives": {}}
     try:
-        for kind in ("all_gather", "reduce_scatter"):
+        for kind in kinds:
             rows = []
             for nbytes in SIZES:
                 numel = nbytes // 4
@@ -79,11 +86,16 @@ def _worker(rank: int, store_path: str, out_path: str) -> None:
 
                     def fn(x=x):
                         c10d.wait_tensor(c10d.all_gather_into_tensor(x, W, group_name))
-                else:
+                elif kind == "reduce_scatter":
                     x = torch.randn(numel)
 
                     def fn(x=x):
                         c10d.wait_tensor(c10d.reduce_scatter_tensor(x, "sum", W, group_name))
+                else:
+                    x = torch.randn(numel)
+
+                    def fn(x=x):
+                        c10d.wait_tensor(c10d.all_reduce(x, "sum", group_name))
 
                 # the same number of repetitions on both ranks, or the collectives would not match
                 reps = 200 if nbytes <= (256 << 10) else 40 if nbytes <= (4 << 20) else 10
@@ -96,6 +108,11 @@ def _worker(rank: int, store_path: str, out_path: str) -> None:
                     times.append(time.perf_counter() - t0)
                 rows.append((nbytes, _agreed(statistics.median(times))))
             res["collectives"][kind] = rows
+        if not compute:
+            if rank == 0:
+                with open(out_path, "w") as f:
+                    json.dump(res, f)
+            return
 
         # compute, both ranks busy at once
         dist.barrier()
@@ -123,10 +140,11 @@ def _worker(rank: int, store_path: str, out_path: str) -> None:
         dist.destroy_process_group()
 
 
-def fit(rows: list[tuple[int, float]], world_size: int = W) -> tuple[float, float]:
-    """Least squares of ``t = alpha + x / bw`` with ``x = bytes * (W-1)/W``, on relative error."""
+def fit(rows: list[tuple[int, float]], world_size: int = W, passes: int = 1) -> tuple[float, float]:
+    """Least squares of ``t = alpha + x / bw`` with ``x = passes * bytes * (W-1)/W`` (an all-reduce's ring: 2
+    passes), on relative error."""
     # minimize sum(((alpha + beta x) - t)^2 / t^2): weighted normal equations
-    s = [(1 / t**2, nbytes * (world_size - 1) / world_size, t) for nbytes, t in rows]
+    s = [(1 / t**2, passes * nbytes * (world_size - 1) / world_size, t) for nbytes, t in rows]
     a11 = sum(w for w, x, t in s)
     a12 = sum(w * x for w, x, t in s)
     a22 = sum(w * x * x for w, x, t in s)
@@ -138,13 +156,37 @@ def fit(rows: list[tuple[int, float]], world_size: int = W) -> tuple[float, floa
     return max(alpha, 0.0), 1.0 / beta
 
 
+def all_reduce_main(out_path: str) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "out.json")
+        mp.spawn(_worker, args=(os.path.join(tmp, "store"), out, ("all_reduce",), False), nprocs=W, join=True)
+        with open(out) as f:
+            rows = json.load(f)["collectives"]["all_reduce"]
+    print(f"cpu-gloo all-reduce, {datetime.date.today()}, {W} gloo ranks on 127.0.0.1, 1 thread per rank")
+    for nbytes, t in rows:
+        print(f"    {nbytes / 1024:>8.0f} KiB  {t * 1e6:>10.1f} us  ({2 * nbytes * (W - 1) / W / t / 1e9:.2f} GB/s bus)")
+    alpha, bw = fit(rows, passes=2)
+    link = {"bus_bw": bw, "step_latency": alpha / (2 * (W - 1)), "base_latency": 0.0}
+    print(f"  fit: step_latency = {link['step_latency'] * 1e6:.1f} us, bus_bw = {bw / 1e9:.2f} GB/s")
+    print(f"CPU_GLOO.kind_links: ((\"all_reduce\", LinkProfile(bus_bw={bw / 1e9:.3f} * GB, "
+          f"step_latency={link['step_latency'] * 1e6:.1f} * US, base_latency=0.0)),)")
+    H.write_json(out_path, {"machine": H.machine(), "collectives": {"all_reduce": rows}, "fit": {"all_reduce": link}})
+    print(f"wrote {out_path}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--out", default=os.path.join(os.path.dirname(__file__), "results", "calibrate_cpu_gloo.json"),
         help="where to write the measurements, the fit and the constants (default: the file CPU_GLOO cites)",
     )
+    parser.add_argument("--all-reduce", action="store_true",
+                        help="measure gloo's all-reduce alone (default --out: results/calibrate_cpu_gloo_all_reduce.json)")
     args = parser.parse_args()
+    if args.all_reduce:
+        all_reduce_main(args.out if args.out != parser.get_default("out")
+                        else os.path.join(os.path.dirname(__file__), "results", "calibrate_cpu_gloo_all_reduce.json"))
+        return
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out.json")
         mp.spawn(_worker, args=(os.path.join(tmp, "store"), out), nprocs=W, join=True)

@@ -418,3 +418,69 @@ def test_a_block_merged_into_the_whole_root_keeps_its_backward():
     s = plan_schedule(mods, policy=(("", "m1"),), reorder=False, cost_model=CostModel(PROFILE), workload=1000)
     assert [u.members for u in s.units] == [("", "m1"), ("m2",)] and s.units[0].tail
     assert s.predicted["planned"]["backward"]["step_s"] == pytest.approx(22 * MS)
+
+
+def _replicated_llama_modules(world_size: int, n_layers: int = 4) -> list[Module]:
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    with fake_process_group(world_size):
+        torch.manual_seed(0)
+        m = Llama(LlamaArgs(n_layers=n_layers))
+        for block in m.layers:
+            replicate(block)
+        replicate(m)
+        return modules_of(read_plan(m))
+
+
+def test_replicated_units_gather_nothing_and_hold_their_all_reduced_gradients():
+    """FSDP2's ``replicate`` (a one-rank shard group beside its replicas): no all-gather, so no gathered
+    buffer and no launch in forward; its gradients' all-reduce runs in place, so the buffer is the gradients
+    from its wait on, held to the end as eager holds them, and gloo allocates no scratch for it. The
+    memory budget (eager's) is then every gradient, and one bucket of every module (all of them reduced at
+    the end, DDP's one bucket) fits it. Counting the parameters as gathered buffers released after each
+    module's backward, and the all-reduce as a gloo reduce-scatter with its copy, had put one bucket at
+    twice eager's bytes."""
+    mods = _replicated_llama_modules(2)
+    assert all(m.world_size == 1 and m.replicate_size == 2 for m in mods)
+    grads = sum(sum(m.reduce_bytes) for m in mods)
+    cm = CostModel("cpu-gloo")
+    eager = predict(eager_fsdp2(mods), mods, cm, 256, blocking=True)
+    assert eager["forward"] == {"step_s": eager["forward"]["step_s"], "exposed_s": 0.0, "comm_peak_bytes": 0}
+    assert eager["backward"]["comm_peak_bytes"] == grads
+    one = plan_schedule(mods, policy=(tuple(m.fqn for m in mods),), reorder=True, cost_model=cm, workload=256)
+    assert len(one.units) == 1 and one.comm_budget_bytes == grads
+    assert one.predicted["planned"]["backward"]["comm_peak_bytes"] == grads
+    # the forward is compute alone: no collective issued, no launch paid
+    from fsdp_compile.passes.unit_costs import unit_costs
+
+    c = unit_costs(eager_fsdp2(mods), {m.fqn: m for m in mods}, cm, 256)
+    assert c.replicated == (True,) * len(mods)
+    assert eager["forward"]["step_s"] == pytest.approx(sum(c.fwd) + c.fwd_tail, rel=1e-12)
+    # and the machine still applies the event simulator's rules on what it recorded (held gradients included)
+    from fsdp_compile.passes import _program
+    from fsdp_compile.passes.predict import _Backward, _Forward, _run
+
+    for units in (eager_fsdp2(mods), list(one.units)):
+        c = unit_costs(units, {m.fqn: m for m in mods}, cm, 256)
+        for program in (_Forward(units, c), _Backward(units, c)):
+            for blocking in (False, True):
+                result, m = _run(program, cm.profile, blocking, record=True)
+                step, busy, _ = _program.run(m.ops, cm.profile.op_overhead)
+                assert result == {"step_s": step, "exposed_s": step - busy, "comm_peak_bytes": max(_program.timeline(m.ops))}
+
+
+def test_gloo_all_reduce_has_its_own_link():
+    """cpu-gloo prices an all-reduce on the link fitted to gloo's all-reduce (``kind_links``), not as two passes
+    of the reduce-scatter fit (torch's gloo reduce-scatter is itself an all-reduce of its input: that fit
+    priced a 16 MiB all-reduce at 31 ms, measured 17.7); the other kinds keep the shared link, and a profile
+    without ``kind_links`` is unchanged."""
+    from fsdp_compile.passes.cost_model import CPU_GLOO, H100_NVLINK
+
+    cm = CostModel(CPU_GLOO)
+    link = dict(CPU_GLOO.kind_links)["all_reduce"]
+    n = 16 << 20
+    assert cm.collective_time("all_reduce", n, 2, "ring") == pytest.approx(2 * link.step_latency + n / link.bus_bw)
+    assert cm.collective_time("all_reduce", n, 2, "ring") < 0.6 * (
+        2 * CPU_GLOO.intra.step_latency + n / CPU_GLOO.intra.bus_bw)
+    assert CPU_GLOO.link(2, "all_gather") is CPU_GLOO.link(2, "reduce_scatter") is CPU_GLOO.link(2) is CPU_GLOO.intra
+    assert H100_NVLINK.link(8, "all_reduce") is H100_NVLINK.intra

@@ -74,14 +74,17 @@ class HardwareProfile:
     # place). The planner counts them against the memory budget, so a schedule that keeps more collectives in
     # flight pays for their buffers.
     collective_scratch: tuple[tuple[str, float], ...] = ()
+    # Collective kinds the backend runs with an algorithm of a speed of its own: their link, in place of
+    # ``link``'s one level (gloo's all-reduce, against the all-gather and reduce-scatter ``intra`` is fitted on).
+    kind_links: tuple[tuple[str, LinkProfile], ...] = ()
 
     def __post_init__(self):
         if self.matmul_flops_float8 is None:
             object.__setattr__(self, "matmul_flops_float8", self.matmul_flops_lowp)
 
-    def link(self, world_size: int) -> LinkProfile:
+    def link(self, world_size: int, kind: str | None = None) -> LinkProfile:
         if self.inter is None or world_size <= self.ranks_per_node:
-            return self.intra
+            return dict(self.kind_links).get(kind, self.intra)
         return self.inter
 
     def scratch_bytes(self, kind: str | None, nbytes: int) -> int:
@@ -165,7 +168,13 @@ CPU_GLOO = HardwareProfile(
     # prefetch (tried: on `small` the planner then merged blocks two by two without prefetching, predicted step
     # +26%), so it is left out. All-reduce, all-to-all: nothing.
     collective_scratch=(("reduce_scatter", 1.0),),
-    source="bench/results/calibrate_cpu_gloo.json (bench/calibrate_cpu_gloo.py on the development machine, 2026-11-22)",
+    # gloo's all-reduce, measured on its own (``bench/calibrate_cpu_gloo.py --all-reduce``, 2026-11-29): 17.7 ms
+    # for 16 MiB, where ``intra``'s ring (2 x a reduce-scatter's bytes) gives 31.0. Torch's gloo reduce-scatter
+    # is itself an all-reduce of its whole input (``collective_scratch``), so ``intra``'s fit priced every
+    # all-reduce (``replicate``'s gradients, HSDP's) about twice.
+    kind_links=(("all_reduce", LinkProfile(bus_bw=1.485 * GB, step_latency=193.3 * US, base_latency=0.0)),),
+    source="bench/results/calibrate_cpu_gloo.json (bench/calibrate_cpu_gloo.py on the development machine, 2026-11-22); "
+           "all-reduce: bench/results/calibrate_cpu_gloo_all_reduce.json (--all-reduce, 2026-11-29)",
 )
 
 PROFILES: dict[str, HardwareProfile] = {p.name: p for p in (H100_NVLINK, H100_IB, CPU_GLOO)}
@@ -326,7 +335,7 @@ class CostModel:
             raise ValueError(f"algorithm must be 'auto', 'ring' or 'tree', got {algorithm!r}")
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
-        link = self.profile.link(world_size)
+        link = self.profile.link(world_size, kind)
         if world_size == 1:
             return link.base_latency
         w = world_size

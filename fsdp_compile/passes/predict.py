@@ -12,11 +12,13 @@ schedule's again.
 **Memory** (``comm_peak_bytes``): the gathered parameters and reduce-scatter buffers alive at once, with
 what the communication backend allocates for each collective in flight (``HardwareProfile.
 collective_scratch``: gloo copies a reduce-scatter's input), the part of the peak a schedule controls
-(activations, sharded state and gradients are the same under every schedule). The budget defaults to
-what eager FSDP2 holds on the same program (one module at a time, the next prefetched in backward, one
-reduce-scatter pending; on a CPU profile every collective waited as it is issued, as eager FSDP2 runs
-them without streams); ``CompileConfig.memory_budget_gb`` sets it. A plan that cannot meet it even
-without prefetching is an error naming the numbers.
+(activations, sharded state and gradients are the same under every schedule). A replicated unit (FSDP2's
+``replicate``) gathers nothing, its parameters being the parameters, and its all-reduce's buffer becomes
+its gradients, held to the end, as eager ``replicate`` holds them. The budget defaults to what eager FSDP2
+holds on the same program (one module at a time, the next prefetched in backward, one reduce-scatter
+pending; on a CPU profile every collective waited as it is issued, as eager FSDP2 runs them without
+streams); ``CompileConfig.memory_budget_gb`` sets it. A plan that cannot meet it even without prefetching
+is an error naming the numbers.
 """
 
 from __future__ import annotations
@@ -122,6 +124,10 @@ class _Machine:
             self.ops[-1].uses.append(key)
             self.held.discard(key)
 
+    def settle(self, key: int) -> None:
+        """Reduce buffer ``key``, waited, is the gradients from now on: no longer held for release, live to the end."""
+        self.rs_held = self.rs_held - {key}
+
     def result(self) -> dict:
         step = max([self.t, *self.free.values()])
         if self.ops is not None:
@@ -162,10 +168,11 @@ class _Forward:
             m.compute(c.fwd_tail)
             return
         for j in self.issues.get(k, ()):
-            m.issue(_ag(j), "all_gather", c.pg[j], c.ag[j], units[j].all_gather_bytes)
+            if not c.replicated[j]:
+                m.issue(_ag(j), "all_gather", c.pg[j], c.ag[j], units[j].all_gather_bytes)
         m.wait(_ag(k))
         m.compute(c.fwd[k])
-        if units[k].regathers and not units[k].tail:
+        if units[k].regathers and not units[k].tail and not c.replicated[k]:
             m.release(_ag(k))  # resharded after its forward
 
     def touched(self, i: int, other: _Forward) -> tuple[int, int]:
@@ -198,22 +205,34 @@ class _Backward:
 
     def start(self, m: _Machine) -> None:
         for i, u in enumerate(self.units):  # kept unsharded since forward
-            if not u.regathers:
+            if not u.regathers and not self.c.replicated[i]:
                 m.alloc(_ag(i), u.all_gather_bytes)
+
+    def _resharded(self, m: _Machine, i: int) -> None:
+        if not self.c.replicated[i]:
+            m.release(_ag(i))
+
+    def _reduced(self, m: _Machine, i: int) -> None:
+        """Wait for unit ``i``'s reduction: a reduce-scatter's buffer is freed; a replicated unit's all-reduce
+        buffer is its gradients from then on (FSDP2's ``replicate`` reduces in place and keeps views of it)."""
+        m.wait(_rs(i))
+        if self.c.replicated[i]:
+            m.settle(_rs(i))
+        else:
+            m.release(_rs(i))
 
     def _reduce_scatter(self, m: _Machine, i: int) -> None:
         for j in self.waits_before.get(self.rank[i], ()):
-            m.wait(_rs(j))
-            m.release(_rs(j))
-        m.issue(_rs(i), "reduce_scatter", self.c.pg[i], self.c.rs[i], self.units[i].reduce_scatter_bytes)
+            self._reduced(m, j)
+        kind = "all_reduce" if self.c.replicated[i] else "reduce_scatter"
+        m.issue(_rs(i), kind, self.c.pg[i], self.c.rs[i], self.units[i].reduce_scatter_bytes)
         if self.units[i].sink == 0:
-            m.wait(_rs(i))
-            m.release(_rs(i))
+            self._reduced(m, i)
 
     def _head(self, m: _Machine) -> None:  # the head's backward: every tail unit is gathered by now
         m.compute(self.c.bwd_head)
         for i in self.early:
-            m.release(_ag(i))
+            self._resharded(m, i)
             if self.units[i].reduce_scatter_bytes:
                 self._reduce_scatter(m, i)
 
@@ -227,16 +246,15 @@ class _Backward:
                     m.compute(self.c.bwd[i])
             for i in self.order:
                 if units[i].tail and self.c.late[i]:
-                    m.release(_ag(i))
+                    self._resharded(m, i)
                     if units[i].reduce_scatter_bytes:
                         self._reduce_scatter(m, i)
             for i in self.reduced:  # what is still pending is waited at the end
                 if _rs(i) in m.rs_held:
-                    m.wait(_rs(i))
-                    m.release(_rs(i))
+                    self._reduced(m, i)
             return
         for j in self.issues.get(k, ()):
-            if units[j].regathers:
+            if units[j].regathers and not self.c.replicated[j]:
                 m.issue(_ag(j), "all_gather", self.c.pg[j], self.c.ag[j], units[j].all_gather_bytes)
         i = self.order[k]
         if units[i].regathers:
@@ -244,7 +262,7 @@ class _Backward:
         if units[i].tail:
             return
         m.compute(self.c.bwd[i])
-        m.release(_ag(i))
+        self._resharded(m, i)
         if units[i].reduce_scatter_bytes:
             self._reduce_scatter(m, i)
 

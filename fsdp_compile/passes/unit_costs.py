@@ -31,6 +31,10 @@ class UnitCosts:
     bwd_head: float  # backward compute at the start (the tail's)
     pg: tuple[str, ...]
     late: tuple[bool, ...]  # per unit: a tail whose reduce-scatter waits for the end (it holds leading parameters)
+    # per unit: replicated, not sharded (FSDP2's ``replicate``: a shard group of one rank, replicas beside it): no
+    # all-gather (its parameters are the parameters), and its gradients' collective is an all-reduce in place,
+    # whose buffer becomes the gradients
+    replicated: tuple[bool, ...]
 
 
 def unit_costs(
@@ -39,7 +43,7 @@ def unit_costs(
     """``units``' costs at ``workload`` tokens per step (see the module docstring). A unit's costs do not
     depend on where the schedule issues it: ``memo`` (a dict kept by the caller for one model, cost model
     and workload) holds them per unit across calls."""
-    ag, rs, fwd, bwd, pg, late = [], [], [], [], [], []
+    ag, rs, fwd, bwd, pg, late, replicated = [], [], [], [], [], [], []
     tail = head = 0.0
     for u in units:
         key = (u.members, u.params, u.all_gather_bytes, u.reduce_scatter_bytes, u.tail)
@@ -48,7 +52,7 @@ def unit_costs(
             one = _one_unit(u, modules, cm, workload)
             if memo is not None:
                 memo[key] = one
-        u_ag, u_rs, own_f, own_b, tails, u_pg, u_late = one
+        u_ag, u_rs, own_f, own_b, tails, u_pg, u_late, u_rep = one
         ag.append(u_ag)
         rs.append(u_rs)
         for f, b in tails:  # summed in the order of units and members, as ever
@@ -57,12 +61,13 @@ def unit_costs(
         bwd.append(own_b)
         pg.append(u_pg)
         late.append(u_late)
-    return UnitCosts(tuple(ag), tuple(rs), tuple(fwd), tail, tuple(bwd), head, tuple(pg), tuple(late))
+        replicated.append(u_rep)
+    return UnitCosts(tuple(ag), tuple(rs), tuple(fwd), tail, tuple(bwd), head, tuple(pg), tuple(late), tuple(replicated))
 
 
 def _one_unit(u: Unit, modules: dict[str, Module], cm: CostModel, workload: int) -> tuple:
     """``(all-gather s, reduce-scatter s, forward s, backward s, ((tail forward s, head backward s) per
-    member held to the end), process group, late)`` of one unit."""
+    member held to the end), process group, late, replicated)`` of one unit."""
     p = cm.profile
     ms = [modules[f] for f in u.members]
     ws = ms[0].world_size
@@ -84,4 +89,4 @@ def _one_unit(u: Unit, modules: dict[str, Module], cm: CostModel, workload: int)
             tails.append((f, b))
         else:
             own_f, own_b = own_f + f, own_b + b
-    return ag, rs, own_f, own_b, tuple(tails), ms[0].process_group, late
+    return ag, rs, own_f, own_b, tuple(tails), ms[0].process_group, late, ws == 1 and ms[0].replicate_size > 1
