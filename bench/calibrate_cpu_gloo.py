@@ -68,6 +68,27 @@ def _agreed(t: float) -> float:
     return float(x)
 
 
+def _compute_rates() -> dict:
+    """Matmul FLOP/s, memory bandwidth and per-node overheads, both ranks busy at once."""
+    dist.barrier()
+    flops = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        rates = []
+        for n in (512, 1024):
+            a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+            rates.append(2 * n**3 / H.adaptive_median_s(lambda: torch.mm(a, b), min_time=0.5))
+        flops[str(dtype)] = max(rates)
+    src, dst = torch.empty(16 << 20), torch.empty(16 << 20)  # 64 MiB fp32
+    src.fill_(1.0)
+    mem_bw = 2 * src.nbytes / H.adaptive_median_s(lambda: dst.copy_(src), min_time=0.5)
+    one = torch.ones(1)
+    adds = _chain(torch.ops.aten.add.Tensor, (1,))
+    views = _chain(torch.ops.aten.view.default, ([-1],))
+    overhead = H.adaptive_median_s(lambda: adds(one), min_time=0.5) / CHAIN
+    view_overhead = H.adaptive_median_s(lambda: views(one), min_time=0.5) / CHAIN
+    return {"flops": flops, "mem_bw": mem_bw, "op_overhead": overhead, "view_overhead": view_overhead}
+
+
 def _worker(rank: int, store_path: str, out_path: str, kinds: tuple[str, ...] = ("all_gather", "reduce_scatter"),
             compute: bool = True) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -108,32 +129,9 @@ def _worker(rank: int, store_path: str, out_path: str, kinds: tuple[str, ...] = 
                     times.append(time.perf_counter() - t0)
                 rows.append((nbytes, _agreed(statistics.median(times))))
             res["collectives"][kind] = rows
-        if not compute:
-            if rank == 0:
-                with open(out_path, "w") as f:
-                    json.dump(res, f)
-            return
-
-        # compute, both ranks busy at once
-        dist.barrier()
-        flops = {}
-        for dtype in (torch.float32, torch.bfloat16):
-            rates = []
-            for n in (512, 1024):
-                a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-                rates.append(2 * n**3 / H.adaptive_median_s(lambda: torch.mm(a, b), min_time=0.5))
-            flops[str(dtype)] = max(rates)
-        src, dst = torch.empty(16 << 20), torch.empty(16 << 20)  # 64 MiB fp32
-        src.fill_(1.0)
-        mem_bw = 2 * src.nbytes / H.adaptive_median_s(lambda: dst.copy_(src), min_time=0.5)
-        one = torch.ones(1)
-        adds = _chain(torch.ops.aten.add.Tensor, (1,))
-        views = _chain(torch.ops.aten.view.default, ([-1],))
-        overhead = H.adaptive_median_s(lambda: adds(one), min_time=0.5) / CHAIN
-        view_overhead = H.adaptive_median_s(lambda: views(one), min_time=0.5) / CHAIN
-        # rank 0's numbers; both ranks ran at once
-        res.update(flops=flops, mem_bw=mem_bw, op_overhead=overhead, view_overhead=view_overhead)
-        if rank == 0:
+        if compute:
+            res.update(_compute_rates())
+        if rank == 0:  # rank 0's numbers; both ranks ran at once
             with open(out_path, "w") as f:
                 json.dump(res, f)
     finally:
