@@ -176,7 +176,8 @@ def test_auto_never_touches_a_gpu_driver(monkeypatch):
 
 
 def test_cpu_gloo_profile_is_its_calibration():
-    """The cpu-gloo constants are the fit that bench/calibrate_cpu_gloo.py wrote, and the profile cites it."""
+    """The cpu-gloo constants are the fits that bench/calibrate_cpu_gloo.py wrote (its all-reduce link too), and the
+    profile cites them."""
     import json
     import pathlib
 
@@ -191,3 +192,9 @@ def test_cpu_gloo_profile_is_its_calibration():
     }
     for name, value in ours.items():
         assert value == pytest.approx(constants[name], rel=0.01, abs=1e-12), name
+    # gloo's all-reduce, fitted apart (``--all-reduce``): the same check on its link
+    ar = pathlib.Path(__file__).parents[1] / "bench" / "results" / "calibrate_cpu_gloo_all_reduce.json"
+    assert "bench/results/calibrate_cpu_gloo_all_reduce.json" in p.source
+    link = dict(p.kind_links)["all_reduce"]
+    for name, value in json.loads(ar.read_text())["fit"]["all_reduce"].items():
+        assert getattr(link, name) == pytest.approx(value, rel=0.01, abs=1e-12), name
