@@ -51,3 +51,34 @@ def offsets(sizes: Sequence) -> list:
         out.append(acc)
         acc = acc + s
     return out
+
+
+def shard_views(flat: torch.Tensor, full_shapes: Sequence[Sequence], world_size: int, rank: int) -> list[torch.Tensor]:
+    """Rank ``rank``'s shard of every parameter as a view of ``flat``, its packed rows (padding trimmed), as
+    FSDP2's ``as_strided`` views of its reduce-scatter output: disjoint, sharing ``flat``'s memory."""
+    from torch._prims_common import make_contiguous_strides_for
+
+    outs, offset = [], flat.storage_offset()
+    for shape, n in zip(full_shapes, padded_numels(full_shapes, world_size)):
+        local = (rank_rows(shape[0], world_size, rank), *shape[1:])
+        outs.append(flat.as_strided(local, make_contiguous_strides_for(local), offset))
+        offset = offset + n
+    return outs
+
+
+def add_partials(reduced: torch.Tensor, partials: Sequence[torch.Tensor | None], full_shapes, local_rows, world_size: int) -> torch.Tensor:
+    """``reduced`` (this rank's flat reduce-scatter output) with each parameter's accumulated partial added to
+    its rows: FSDP2's ``reduce_output += partial_reduce_output``, element by element; padding rows and
+    parameters without a partial are left as they are (no ``+ 0``, which would turn a -0.0 into 0.0)."""
+    pieces, offset = [], 0
+    for shape, rows, partial in zip(full_shapes, local_rows, partials):
+        rest = math.prod(shape[1:])
+        block, mine = padded_rows(shape[0], world_size) * rest, rows * rest
+        if partial is None or mine == 0:
+            pieces.append(reduced[offset:offset + block])
+        else:
+            pieces.append(reduced[offset:offset + mine] + partial.reshape(-1))
+            if block > mine:
+                pieces.append(reduced[offset + mine:offset + block])
+        offset += block
+    return torch.cat(pieces)

@@ -35,7 +35,6 @@ import dataclasses
 import functools
 import itertools
 import json
-import math
 from collections.abc import Sequence
 from typing import Optional
 
@@ -45,7 +44,7 @@ from torch import Tensor
 from fsdp_compile import _one_rank as one_rank  # registers own_copy, as K its ops
 from fsdp_compile import kernels as K  # registers the copy ops: a graph from the compile caches calls them untraced
 from fsdp_compile._annotations import REDUCE_SCATTER, UNSHARD, annotate
-from fsdp_compile._layout import padded_rows, rank_rows
+from fsdp_compile._layout import add_partials, padded_rows, rank_rows, shard_views
 
 _c10d = torch.ops._c10d_functional
 
@@ -313,31 +312,22 @@ def reduce_scatter_grads_impl(grads: list[Tensor], args: ReduceScatterArgs, part
         rank = _rank_of_rows([g.shape[0] for g in grads], args.local_rows, c.world_size)
         if r.all_reduce_group is not None:  # HSDP: then across the replicas, as FSDP2's foreach_reduce
             if not args.all_reduce:  # FSDP2 keeps this partial output as it is (on the device): no all-reduce, no post-divide
-                return K.reduce_scatter_copy_out(reduced, full_shapes, c.world_size, rank, dtype=reduced.dtype, impl=c.kernels)
+                return shard_grads(reduced, full_shapes, c.world_size, rank, reduced.dtype, c.kernels)
             if any(p is not None for p in partials):
-                reduced = _add_partials(reduced, partials, full_shapes, args.local_rows, c.world_size)
+                reduced = add_partials(reduced, partials, full_shapes, args.local_rows, c.world_size)
             reduced = _c10d.wait_tensor(_c10d.all_reduce(reduced, r.all_reduce_op, r.all_reduce_group))
         if r.post_factor is not None and r.post_factor != 1:
             reduced = reduced / r.post_factor
-        return to_host(K.reduce_scatter_copy_out(reduced, full_shapes, c.world_size, rank, dtype=args.orig_dtype, impl=c.kernels), c)
+        return to_host(shard_grads(reduced, full_shapes, c.world_size, rank, args.orig_dtype, c.kernels), c)
 
 
-def _add_partials(reduced: Tensor, partials: Sequence[Tensor | None], full_shapes, local_rows, world_size: int) -> Tensor:
-    """``reduced`` (this rank's flat reduce-scatter output) with each parameter's accumulated partial added to
-    its rows: FSDP2's ``reduce_output += partial_reduce_output``, element by element; padding rows and
-    parameters without a partial are left as they are (no ``+ 0``, which would turn a -0.0 into 0.0)."""
-    pieces, offset = [], 0
-    for shape, rows, partial in zip(full_shapes, local_rows, partials):
-        rest = math.prod(shape[1:])
-        block, mine = padded_rows(shape[0], world_size) * rest, rows * rest
-        if partial is None or mine == 0:
-            pieces.append(reduced[offset:offset + block])
-        else:
-            pieces.append(reduced[offset:offset + mine] + partial.reshape(-1))
-            if block > mine:
-                pieces.append(reduced[offset + mine:offset + block])
-        offset += block
-    return torch.cat(pieces)
+def shard_grads(reduced: Tensor, full_shapes, world_size: int, rank: int, dtype: torch.dtype, kernels: str) -> list[Tensor]:
+    """This rank's shard gradients out of its flat reduce-scatter (or all-reduce) output ``reduced``: where no
+    cast is needed, views of its rows (``shard_views``), as FSDP2's ``foreach_reduce`` leaves them, nothing
+    copied; a cast, the copy-out op (Triton or torch) into tensors of their own, as FSDP2 casts."""
+    if dtype != reduced.dtype:
+        return K.reduce_scatter_copy_out(reduced, full_shapes, world_size, rank, dtype=dtype, impl=kernels)
+    return shard_views(reduced, full_shapes, world_size, rank)
 
 
 # --- the ops -------------------------------------------------------------------------------------------

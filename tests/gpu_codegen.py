@@ -274,24 +274,27 @@ def _propagate(gm, inputs, mode) -> None:
 
 def wrapper_host_copies(code: str) -> dict:
     """CPU offload's copies in a generated CUDA wrapper: host-to-device (``bufN.copy_(primals_K, True)``, into a
-    cuda buffer) and device-to-host (``copy_(bufM, False)`` into an ``empty_strided_cpu`` buffer; with
-    ``pin_memory=True`` ``copy_(bufM, True)`` into an ``empty_strided_cpu_pinned`` one), and where
-    they go: every H2D buffer into a copy-in (the all-gather's input), every D2H source an output of a
-    reduce-scatter copy-out (a shard gradient)."""
+    cuda buffer) and device-to-host (``copy_(<src>, False)`` into an ``empty_strided_cpu`` buffer; with
+    ``pin_memory=True`` ``copy_(<src>, True)`` into an ``empty_strided_cpu_pinned`` one), and where
+    they go: every H2D buffer into a copy-in (the all-gather's input), every D2H source a shard gradient: a
+    view of a reduce-scatter's output (``reinterpret_tensor``, ``ops.shard_grads``), or an output of a
+    reduce-scatter copy-out where a cast made one."""
     to_device = dict(re.findall(r"(buf\d+)\.copy_\((primals_\d+), True\)", code))
     cpu = set(re.findall(r"(buf\d+) = empty_strided_cpu(?:_pinned)?\(", code))
-    d2h = [(dst, src, nb == "True") for dst, src, nb in re.findall(r"(buf\d+)\.copy_\((buf\d+), (False|True)\)", code)
+    d2h = [(dst, src, nb == "True")
+           for dst, src, nb in re.findall(r"(buf\d+)\.copy_\((?:reinterpret_tensor\()?(buf\d+)\b.*, (False|True)\)$", code, re.M)
            if dst in cpu]
     to_host = {dst: src for dst, src, _ in d2h}
     copy_ins = [re.findall(r"buf\d+", args) for args in re.findall(r"fsdp_compile\.all_gather_copy_in\.default\(\[([^\]]*)\]", code)]
     outs = set(re.findall(r"(buf\d+) = torch\.ops\.fsdp_compile\.reduce_scatter_copy_out\.default\(", code))
     items = {item for item, whole in re.findall(r"(buf\d+) = (buf\d+)\[\d+\]", code) if whole in outs}
+    reduced = set(re.findall(r"(buf\d+) = torch\.ops\._c10d_functional\.reduce_scatter_tensor\.default\(", code))
     return {"to_device": len(to_device), "to_host": len(to_host), "cpu_buffers": len(cpu),
             "to_host_non_blocking": sum(nb for _, _, nb in d2h),
             "pinned_buffers": len(re.findall(r"buf\d+ = empty_strided_cpu_pinned\(", code)),
             "to_device_into_copy_in": sum(b in to_device for args in copy_ins for b in args),
             "copy_in_inputs": sum(len(args) for args in copy_ins),
-            "to_host_of_copy_out": sum(src in items for src in to_host.values())}
+            "to_host_of_shard_grads": sum(src in items or src in reduced for src in to_host.values())}
 
 
 def codegen_cuda(gm, is_backward: bool) -> str:

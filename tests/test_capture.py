@@ -170,6 +170,31 @@ def test_collectives_placed_like_eager():
     assert names.index("all_gather_into_tensor_1") < first < names.index("all_gather_into_tensor_2")
 
 
+def _by_gradient_memory(model) -> list[list[str]]:
+    """The parameters grouped by the memory their shard gradient lives in; within a group, the gradients'
+    elements are disjoint."""
+    groups = {}
+    for name, p in model.named_parameters():
+        g = p.grad.to_local()
+        groups.setdefault(g.untyped_storage().data_ptr(), []).append((g.storage_offset(), g.numel(), name))
+    for views in groups.values():
+        views.sort()
+        assert all(a[0] + a[1] <= b[0] for a, b in zip(views, views[1:])), views
+    return sorted(sorted(name for *_, name in views) for views in groups.values())
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.inductor)])
+def test_shard_gradients_are_views_of_their_reduce_scatter_output_as_fsdp2s(backend):
+    """Without a cast, a group's shard gradients are disjoint views of its reduce-scatter's output (no copy-out),
+    as FSDP2's ``foreach_reduce`` leaves them: the parameters grouped by their gradients' memory as eager's."""
+    with fake_process_group(2):
+        eager, model = llama(2), llama(2)
+        eager(tokens()).sum().backward()
+        fc.compile(model, config=dataclasses.replace(EAGER_LIKE, backend=backend))(tokens()).sum().backward()
+    assert _by_gradient_memory(model) == _by_gradient_memory(eager)
+    assert len(_by_gradient_memory(eager)) == 3  # the two blocks and the root
+
+
 @pytest.mark.slow
 def test_new_sequence_length_recompiles_once_dynamic():
     with fake_process_group(4):

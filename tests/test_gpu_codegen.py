@@ -75,8 +75,9 @@ def test_training_graphs_codegen_for_h100(tmp_path, model, kernels):
         assert [(op, mm) for op, mm, _ in g["generated"]] == [tuple(p) for p in g["planned"]], where
         assert any(mm > 0 for _, mm in g["planned"]), f"{where}: no collective has compute behind it"
         ours = {"forward": {"all_gather_copy_in", "all_gather_copy_out"},
-                "backward": {"all_gather_copy_in", "all_gather_copy_out", "reduce_scatter_copy_in", "reduce_scatter_copy_out"}}
-        # every copy around a collective is one of our ops, whichever implementation runs it (ops.py)
+                "backward": {"all_gather_copy_in", "all_gather_copy_out", "reduce_scatter_copy_in"}}
+        # every copy around a collective is one of our ops, whichever implementation runs it (ops.py); the
+        # shard gradients are views of the reduce-scatter's output (fp32 here: no cast, ops.shard_grads)
         assert set(g["fsdp_compile_ops"]) == ours[g["kind"]], where
     built = step(tmp_path, "--block-numpy", "compile", *[g["path"] for g in r["graphs"]])
     assert built["arch"] == 90
@@ -109,9 +110,10 @@ def test_cpu_offload_copies_codegen_for_h100(tmp_path, pin):
     """CPUOffloadPolicy (tiny Llama, 39 parameters, 4 blocks and a root that stays unsharded): the graphs built
     as on an accelerator (gpu_codegen.offload_copies), generated for an H100 with the sharded parameters on the
     host. Each shard copied to the GPU (non-blocking) straight into its all-gather's copy-in, in the forward and
-    again in the backward's re-gathers (the blocks'); each shard gradient copied back to a host buffer from its
-    reduce-scatter's copy-out, blocking into pageable memory, or with ``pin_memory=True`` non-blocking into
-    pinned memory (``ops.to_host``); nothing else computed on the CPU."""
+    again in the backward's re-gathers (the blocks'); each shard gradient copied back to a host buffer straight
+    from its reduce-scatter's output (a view of it: fp32, no cast, no copy-out), blocking into pageable memory,
+    or with ``pin_memory=True`` non-blocking into pinned memory (``ops.to_host``); nothing else computed on
+    the CPU."""
     r = step(tmp_path, "--block-numpy", "graphs", "--model", "tiny", "--kernels", "torch", "--offload", pin,
              "--out", str(tmp_path / "code"))
     forward, backward = r["graphs"]
@@ -121,7 +123,7 @@ def test_cpu_offload_copies_codegen_for_h100(tmp_path, pin):
         where = f"{g['kind']} ({g['path']})"
         w = g["wrapper_host_copies"]
         assert w["to_device"] == w["to_device_into_copy_in"] == w["copy_in_inputs"] == g["host_copies"]["to_device"], (where, w)
-        assert w["to_host"] == w["to_host_of_copy_out"] == w["cpu_buffers"] == g["host_copies"]["to_host"], (where, w)
+        assert w["to_host"] == w["to_host_of_shard_grads"] == w["cpu_buffers"] == g["host_copies"]["to_host"], (where, w)
         pinned = w["to_host"] if pin == "pinned" else 0
         assert w["to_host_non_blocking"] == w["pinned_buffers"] == pinned, (where, w)
         host_buffers = "empty_strided_cpu_pinned(" if pinned else "empty_strided_cpu("
