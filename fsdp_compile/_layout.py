@@ -8,9 +8,10 @@
     n = c * inner                                 padded elements per rank
     a bucket of parameters packs, per rank, [ p_0 (n_0) | p_1 (n_1) | ... ], p_i at offsets(n)[i]
 
-Works on ints and SymInts (fake implementations run it on symbolic sizes). A leaf module: the ops, the
-sharding plan, the kernels and the passes import it; it imports nothing of ours. (The kernel tests keep an
-independent spec of this layout, on purpose: it is their oracle.)
+Works on ints and SymInts (fake implementations run it on symbolic sizes); ``shard_views`` and
+``add_partials`` apply it to a packed buffer. A leaf module: the ops, the sharding plan, the kernels and the
+passes import it; it imports nothing of ours. (The kernel tests keep an independent spec of this layout, on
+purpose: it is their oracle.)
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import math
 from collections.abc import Sequence
 
 import torch
+from torch._prims_common import make_contiguous_strides_for
 
 
 def padded_rows(d, world_size: int):
@@ -56,8 +58,6 @@ def offsets(sizes: Sequence) -> list:
 def shard_views(flat: torch.Tensor, full_shapes: Sequence[Sequence], world_size: int, rank: int) -> list[torch.Tensor]:
     """Rank ``rank``'s shard of every parameter as a view of ``flat``, its packed rows (padding trimmed), as
     FSDP2's ``as_strided`` views of its reduce-scatter output: disjoint, sharing ``flat``'s memory."""
-    from torch._prims_common import make_contiguous_strides_for
-
     outs, offset = [], flat.storage_offset()
     for shape, n in zip(full_shapes, padded_numels(full_shapes, world_size)):
         local = (rank_rows(shape[0], world_size, rank), *shape[1:])
