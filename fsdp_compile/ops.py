@@ -312,7 +312,7 @@ def reduce_scatter_grads_impl(grads: list[Tensor], args: ReduceScatterArgs, part
         rank = _rank_of_rows([g.shape[0] for g in grads], args.local_rows, c.world_size)
         if r.all_reduce_group is not None:  # HSDP: then across the replicas, as FSDP2's foreach_reduce
             if not args.all_reduce:  # FSDP2 keeps this partial output as it is (on the device): no all-reduce, no post-divide
-                return shard_grads(reduced, full_shapes, c.world_size, rank, reduced.dtype, c.kernels)
+                return shard_views(reduced, full_shapes, c.world_size, rank)
             if any(p is not None for p in partials):
                 reduced = add_partials(reduced, partials, full_shapes, args.local_rows, c.world_size)
             reduced = _c10d.wait_tensor(_c10d.all_reduce(reduced, r.all_reduce_op, r.all_reduce_group))
