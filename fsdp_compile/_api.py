@@ -321,10 +321,10 @@ class CompiledFSDPModule(nn.Module):
         self._attachment.detach()
 
     def regions(self) -> list[dict]:
-        """Per kind of repeated block: compiled once as a region, or inline and why (``Report.regions``)."""
-        repeated = capture.find_repeated_blocks(self._orig_mod, self.plan)
-        fixed = {i: why for i, fqns in enumerate(repeated) if (why := capture.inline_reason(self.plan, fqns, self._orig_mod))}
-        return region_summary(repeated, self.captured.regions, self.config.regions, fixed, len(self.captured.dynamo))
+        """Per kind of repeated block: compiled once as a region, or inline and why (``Report.regions``), as
+        ``compile`` found the blocks and the compiled steps since (``Attachment.inline``)."""
+        a = self._attachment
+        return region_summary(a.repeated, self.captured.regions, self.config.regions, a.inline(), len(self.captured.dynamo))
 
     # The original model's state, unprefixed.
     def named_parameters(self, *args, **kwargs):

@@ -57,6 +57,10 @@ class TPCase:
     # a second compiled model with regions off, trained beside the first and checked bitwise too (the
     # differential guard, as parity.Case.inline): a region must compute what the inline compile computes
     inline: bool = False
+    # llama: the model's forward writes a plain attribute of its last block to another value than the first's, so
+    # that block runs inline (regions._written_apart) and builds its own TP DTensors (capture.forward.materialized)
+    # while the others call the region
+    written: bool = False
 
     @property
     def name(self) -> str:
@@ -79,6 +83,8 @@ class TPCase:
             parts.append("float8")
         if self.inline:
             parts.append("inline")
+        if self.written:
+            parts.append("written")
         return "-".join(parts)
 
 
@@ -277,8 +283,13 @@ def build(case: TPCase):
         m = MLP(hidden=32 if case.float8 else 24)  # torchao's float8 needs dims that are multiples of 16
         blocks = list(m.blocks)
     else:
-        m = Llama(LlamaArgs(n_layers=2, tie_embeddings=case.tied is not None))
+        # written: 3 layers, so that two blocks call the region (Dynamo inlines a region called once)
+        m = Llama(LlamaArgs(n_layers=3 if case.written else 2, tie_embeddings=case.tied is not None))
         blocks = list(m.layers)
+        if case.written:
+            for b in blocks:
+                b.tag = 0
+            m.register_forward_pre_hook(lambda mod, args: setattr(mod.layers[-1], "tag", 1))
     if case.float8:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
@@ -415,6 +426,8 @@ def run_tp_case(case: TPCase) -> dict:
     out["graph_breaks"] = sum(counters["graph_break"].values()) - breaks
     out["dynamo_graphs"] = len(compiled.captured.dynamo)
     out["regions"] = [r["why"] or "region" for r in compiled.regions()]
+    out["region_calls"] = sum(n.target is torch.ops.higher_order.invoke_subgraph
+                              for g in compiled.captured.dynamo for n in g.graph.nodes)
     out["param_placements"] = sorted({str(p.placements) for p in model.parameters()})
     from fsdp_compile.passes.predicates import collective_kind, process_group_name, world_size
     from fsdp_compile.report import collectives_by_mesh_dim

@@ -29,7 +29,7 @@ import torch.nn as nn
 
 from fsdp_compile import _fsdp2
 from fsdp_compile._torch._dynamo_logging import install_logging
-from fsdp_compile.capture.regions import install_regions
+from fsdp_compile.capture.regions import found_inline, install_regions
 from fsdp_compile.capture.step import STEP
 from fsdp_compile.plan import ShardingPlan, fsdp_states
 
@@ -165,6 +165,15 @@ class Attachment:
         """``install_regions``' deferred parameters: fqn -> key."""
         return self._installed.deferred
 
+    def inline(self) -> dict[int, str]:
+        """Why each kind of repeated block that runs inline does (index -> why): as ``install_regions`` found its
+        blocks at compile, or as a compiled step found its region since (``found_inline``)."""
+        out = dict(self._installed.inline)
+        for i, fqns in enumerate(self.repeated):
+            if i not in out and (why := found_inline(self.model, fqns)):
+                out[i] = why
+        return out
+
     def detach(self) -> None:
         if not self.attached:
             return
@@ -186,9 +195,9 @@ class Attachment:
 
 
 class _Installed:
-    def __init__(self, hooks, repeated, forwards, loggers, deferred):
+    def __init__(self, hooks, repeated, forwards, loggers, deferred, inline):
         self.hooks, self.repeated, self.forwards, self.loggers, self.users = hooks, repeated, forwards, loggers, 0
-        self.deferred = deferred
+        self.deferred, self.inline = deferred, inline
 
 
 _INSTALLED: "weakref.WeakKeyDictionary[nn.Module, _Installed]" = weakref.WeakKeyDictionary()
@@ -199,8 +208,8 @@ def attach(model: nn.Module, plan: ShardingPlan) -> Attachment:
     installed = _INSTALLED.get(model)
     if installed is None:
         hooks = install_hooks(model) + install_checkpoint_hooks(model)
-        repeated, forwards, deferred = install_regions(model, plan)
+        repeated, forwards, deferred, inline = install_regions(model, plan)
         forwards += install_checkpoint_forwards(model)
-        installed = _INSTALLED[model] = _Installed(hooks, repeated, forwards, install_logging(model), deferred)
+        installed = _INSTALLED[model] = _Installed(hooks, repeated, forwards, install_logging(model), deferred, inline)
     installed.users += 1
     return Attachment(model, installed)

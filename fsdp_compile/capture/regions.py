@@ -146,28 +146,37 @@ def inline_reason(plan: ShardingPlan, fqns: list[str], model: nn.Module) -> str 
     why = boundary.subclass_reason(plan, fqns, names)
     if why is not None:
         return why
-    # a compiled step found the region returning a DTensor: each block traced as itself and inlined
-    region = getattr(blocks[0].forward, "fsdp_compile_region", None)
+    return found_inline(model, fqns)
+
+
+def found_inline(model: nn.Module, fqns: list[str]) -> str | None:
+    """Why a compiled step found the region of blocks ``fqns`` unusable (returning a DTensor: each block then
+    traced as itself and inlined), or None."""
+    region = getattr(model.get_submodule(fqns[0]).forward, "fsdp_compile_region", None)
     return getattr(getattr(region, "__marked_compile_region_fn__", None), "fsdp_compile_inline_why", None)
 
 
 _DEFERRED = itertools.count()
 
 
-def install_regions(model: nn.Module, plan: ShardingPlan) -> tuple[list[list[str]], list, dict[str, int]]:
+def install_regions(model: nn.Module, plan: ShardingPlan) -> tuple[list[list[str]], list, dict[str, int], dict[int, str]]:
     """Route every repeated block's forward through its region while a compiled step runs with regions on
     (outside a compiled step the block's own forward runs). Returns the repeated blocks (kind ``i`` runs as
     ``fsdp_compile_region_<i>``, unless ``passes/regions.py`` inlines its calls), per block routed,
     ``(block, its previous instance forward or None, the routing forward)`` for ``Attachment.detach``, and the
-    parameters whose region takes them straight from the all-gather (a template region's subclass parameters:
-    ``capture.forward.Deferred``), each by fqn with the key its block's forward looks it up by."""
+    parameters whose region takes them straight from the all-gather (a template region's subclass and TP/EP
+    parameters: ``capture.forward.Deferred``), each by fqn with the key its block's forward looks it up by, and
+    why each kind not routed runs inline (``inline_reason`` now: a model's forward may write its blocks' attributes
+    apart later, and a template region's blocks then run inline one by one, as ``_written_apart`` finds them)."""
     _invoke_subgraph.register()
     modules = dict(model.named_modules())
     repeated = find_repeated_blocks(model, plan)
-    forwards, deferred = [], {}
+    forwards, deferred, inline = [], {}, {}
     for index, fqns in enumerate(repeated):
         blocks = [modules[f] for f in fqns]
-        if inline_reason(plan, fqns, model) is not None:
+        why = inline_reason(plan, fqns, model)
+        if why is not None:
+            inline[index] = why
             continue
         crossing = _crossing(plan, fqns[0], _tensor_names(blocks[0]))
         region, names, pass_block = _make_region(blocks, index, crossing)
@@ -177,11 +186,11 @@ def install_regions(model: nn.Module, plan: ShardingPlan) -> tuple[list[list[str
             pairs = () if pass_block else _attribute_pairs(block, blocks[0])
             keys = ()
             if crossing is not None and not pass_block:
-                keys = tuple(None if sub is None else next(_DEFERRED) for sub in crossing[1])
+                keys = tuple(None if spec is None and sub is None else next(_DEFERRED) for spec, sub in zip(*crossing))
                 deferred.update((f"{fqn}.{name}", k) for name, k in zip(names, keys) if k is not None)
             block.forward = _regional_forward(block, region, names, pass_block, pairs, crossing, keys)
             forwards.append((block, previous, block.forward))
-    return repeated, forwards, deferred
+    return repeated, forwards, deferred, inline
 
 
 def _crossing(plan: ShardingPlan, fqn: str, names) -> tuple | None:
@@ -290,8 +299,9 @@ def _regional_forward(block: nn.Module, region, names, pass_block: bool, pairs: 
 
 
 def _direct(entries, subclasses) -> tuple | None:
-    """Per tensor, the region operands ``SubclassCrossing.direct`` makes of its ``Deferred`` entry (None: none),
-    annotated as part of the unshard of the entry's unit (``passes/recompute.py`` re-gathers what it tags)."""
+    """Per tensor, the region operands of its ``Deferred`` entry (None: none): a plain parameter's gathered local
+    tensor, or what ``SubclassCrossing.direct`` makes of a subclass's, annotated as part of the unshard of the
+    entry's unit (``passes/recompute.py`` re-gathers what it tags)."""
     if entries is None:
         return None
     out, units = [None] * len(entries), []
@@ -302,7 +312,7 @@ def _direct(entries, subclasses) -> tuple | None:
         with annotate(UNSHARD, members, unit):
             for j, (entry, sub) in enumerate(zip(entries, subclasses)):
                 if entry is not None and entry.unit == unit:
-                    out[j] = sub.direct.apply(*entry.attach)
+                    out[j] = (entry.local,) if entry.attach is None else sub.direct.apply(*entry.attach)
     return tuple(out)
 
 
