@@ -337,6 +337,9 @@ INDUCTOR_LOSS_TOL, INDUCTOR_TENSOR_TOL = 1e-4, 1e-3
 
 
 def _nccl_rank(rank, world_size, store_path, fn, args, results):
+    # a cache directory of this spawn's own: a compile that Inductor's or AOTAutograd's cache serves (a rerun on the
+    # same machine) leaves no graphs in ``captured``, which the parity checks read
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(os.path.dirname(store_path), "inductor")
     try:
         torch.cuda.set_device(rank)
         dist.init_process_group(
