@@ -14,14 +14,13 @@ from dist_helpers import fake_process_group
 from tp_cases import TPCase, build
 
 
-def _explain(case: TPCase, world: int, rank: int, graphs: bool = False):
-    from fsdp_compile.debug import explain_graphs
-
+def _explain(case: TPCase, world: int, rank: int, hook=None):
     with fake_process_group(world, rank=rank):
         model, mesh = build(case)
+        if hook is not None:
+            model.register_forward_pre_hook(hook)
         tokens = torch.randint(0, 256, (2, 16))
-        report, captured = explain_graphs(model, tokens, config=fc.CompileConfig(backend="aot_eager", bucket="fsdp_group"))
-        return (report, model, captured) if graphs else (report, model)
+        return fc.explain(model, tokens, config=fc.CompileConfig(backend="aot_eager", bucket="fsdp_group")), model
 
 
 def test_plan_reads_tensor_parallel_layout():
@@ -46,17 +45,13 @@ def test_plan_reads_tensor_parallel_layout():
 def test_explain_counts_collectives_per_mesh_dim(tmp_path):
     """torchtitan's Llama plan with sequence parallelism: FSDP's collectives on dp, TP's on tp, and FSDP2's
     redistribute of the norms' Partial gradients (all-reduces over tp) in the same backward graph."""
-    report, _, captured = _explain(TPCase(model="llama"), 4, 2, graphs=True)
+    # the model's forward reads a block's TP parameter outside that block, as eager allows: during the step it
+    # is the gathered DTensor there too (a region block's TP parameters are built at top level, not deferred
+    # into the region as float8 weights are, which would leave None in its place: Dynamo's "Observed exception")
+    seen = []
+    report, _ = _explain(TPCase(model="llama"), 4, 2, hook=lambda m, args: seen.append(m.layers[0].attention.wq.weight.shape))
+    assert seen == [torch.Size([64, 64])]
     assert report.graph_breaks == 0 and report.dynamo_graphs == 1
-    # the blocks' TP parameters enter their region as the gathered local tensors (capture.forward.Deferred), which
-    # the region makes its DTensors of: at top level no DTensor is built for them (only for the 3 TP parameters
-    # outside the blocks: tok_embeddings, norm, output; one autograd Function call each) and none taken apart
-    (graph,) = captured.dynamo
-    calls = [n for n in graph.graph.nodes if n.op in ("call_function", "call_method")]
-    built = [n for n in calls if getattr(n.target, "__name__", "") == "trampoline_autograd_apply"]
-    assert len(built) == 3
-    assert not [n for n in calls if n.target == "to_local" and n.args[0] in built]
-    assert sum(n.target is torch.ops.higher_order.invoke_subgraph for n in calls) == 2
     dims = report.collectives_by_mesh_dim
     # 3 FSDP modules (2 blocks + root), reshard_after_forward=True: gathered in forward, again in backward
     assert dims["dp"] == {"all_gathers": 6, "reduce_scatters": 3, "all_reduces": 0}

@@ -33,7 +33,7 @@ CASES = [
     # received token count, which layer 0's routing makes 0 on ep rank 1 (the capture takes the general path)
     TPCase(model="hf_qwen3_moe", tp=1, ragged=True),
     # the same in fp32, two backward calls into .grad per step; its last block written apart by the model's
-    # forward (written=True, 3 layers): it runs inline, building its TP DTensors from the gathered local tensors itself
+    # forward (written=True, 3 layers): it runs inline beside the two blocks' region calls
     TPCase(model="llama", tied="after", micro=2, written=True),
 ]
 if importlib.util.find_spec("torchao") is not None:  # the test extra

@@ -58,8 +58,7 @@ class TPCase:
     # differential guard, as parity.Case.inline): a region must compute what the inline compile computes
     inline: bool = False
     # llama: the model's forward writes a plain attribute of its last block to another value than the first's, so
-    # that block runs inline (regions._written_apart) and builds its own TP DTensors (capture.forward.materialized)
-    # while the others call the region
+    # that block runs inline (regions._written_apart) while the others call the region
     written: bool = False
 
     @property

@@ -7,8 +7,7 @@ full tensors in its parameters' places (``call_with``). The passes then move eac
 its group's first use (``passes/placement.py``), which is where FSDP2's pre-forward hook would have issued
 it. Everything ``traced_forward`` reads is found once, outside the trace (``unit_traces``,
 ``parameter_places``): Dynamo traces every read. Not put in place: a region block's all-gather extension
-parameters (torchao's float8 weights) and TP/EP parameters, which its region takes straight from the
-all-gather (``Deferred``).
+parameters (torchao's float8 weights), which its region takes straight from the all-gather (``Deferred``).
 """
 
 from __future__ import annotations
@@ -40,23 +39,18 @@ class UnitTrace(NamedTuple):
 
 
 class Deferred(NamedTuple):
-    """A region block's parameter that ``traced_forward`` leaves unbuilt, for its region to take straight from
-    the all-gather: an all-gather extension's, as the inner tensors of what ``fsdp_post_all_gather`` builds
-    (``boundary.SubclassCrossing.direct``), or a plain TP/EP one, as its gathered local tensor (``attach`` None),
-    which the region makes its DTensor of (``boundary.rebuilt``): built at top level, that DTensor was only taken
-    apart again at the region's boundary. Built by the block's forward where it runs inline (``materialized``)."""
+    """An all-gather extension's parameter that its block's region takes as the inner tensors of what
+    ``fsdp_post_all_gather`` builds (``boundary.SubclassCrossing.direct``): left unbuilt by ``traced_forward``,
+    built by the block's forward where it runs inline (``materialized``)."""
 
-    attach: tuple | None  # ``_extensions.Attach``'s arguments; None: a plain parameter, ``local``
+    attach: tuple  # ``_extensions.Attach``'s arguments
     parallel: object  # ``ParamPlan.parallel``: its TP spec, or None
     members: tuple[str, ...]  # its unit's FSDP modules, and the unit's index: the unshard annotation
     unit: int
-    local: torch.Tensor | None = None  # a plain parameter's gathered local tensor
 
 
 def materialized(entry: Deferred) -> torch.Tensor:
     """The unsharded parameter ``traced_forward`` would have built of ``entry``, for its block's own forward."""
-    if entry.attach is None:
-        return _as_dtensor(entry.local, entry.parallel)
     with annotate(UNSHARD, entry.members, entry.unit):
         t = _extensions.Attach.apply(*entry.attach)
         return t if entry.parallel is None else _as_dtensor(t, entry.parallel)
@@ -97,11 +91,7 @@ def traced_forward(
                     full[fqn] = t
             else:
                 for fqn, spec, t in zip(unit.fqns, unit.parallel, gathered):
-                    if spec is not None and regions and fqn in deferred:  # its region makes the DTensor
-                        pieces[deferred[fqn]] = Deferred(None, spec, unit.members, i, t)
-                        full[fqn] = None
-                    else:
-                        full[fqn] = t if spec is None else _as_dtensor(t, spec)
+                    full[fqn] = t if spec is None else _as_dtensor(t, spec)
             continue
         selves, payloads, metadatas = _extensions.split(extensions[i], key[i])
         outs = iter(torch.ops.fsdp_compile.unshard(unit_shards, sinks[i], accumulated[i], *partials[i], payloads,
@@ -110,10 +100,6 @@ def traced_forward(
             for p, layout in zip(unit.params, key[i]):
                 if layout is None:
                     t = next(outs)
-                    if p.parallel is not None and regions and p.fqn in deferred:
-                        pieces[deferred[p.fqn]] = Deferred(None, p.parallel, unit.members, i, t)
-                        full[p.fqn] = None
-                        continue
                 else:
                     outputs = [next(outs) for _ in range(layout.n_inputs)]
                     attach = _extensions.attach_args(

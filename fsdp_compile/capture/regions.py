@@ -164,8 +164,8 @@ def install_regions(model: nn.Module, plan: ShardingPlan) -> tuple[list[list[str
     (outside a compiled step the block's own forward runs). Returns the repeated blocks (kind ``i`` runs as
     ``fsdp_compile_region_<i>``, unless ``passes/regions.py`` inlines its calls), per block routed,
     ``(block, its previous instance forward or None, the routing forward)`` for ``Attachment.detach``, and the
-    parameters whose region takes them straight from the all-gather (a template region's subclass and TP/EP
-    parameters: ``capture.forward.Deferred``), each by fqn with the key its block's forward looks it up by, and
+    parameters whose region takes them straight from the all-gather (a template region's subclass parameters:
+    ``capture.forward.Deferred``), each by fqn with the key its block's forward looks it up by, and
     why each kind not routed runs inline (``inline_reason`` now: a model's forward may write its blocks' attributes
     apart later, and a template region's blocks then run inline one by one, as ``_written_apart`` finds them)."""
     _invoke_subgraph.register()
@@ -186,7 +186,7 @@ def install_regions(model: nn.Module, plan: ShardingPlan) -> tuple[list[list[str
             pairs = () if pass_block else _attribute_pairs(block, blocks[0])
             keys = ()
             if crossing is not None and not pass_block:
-                keys = tuple(None if spec is None and sub is None else next(_DEFERRED) for spec, sub in zip(*crossing))
+                keys = tuple(None if sub is None else next(_DEFERRED) for sub in crossing[1])
                 deferred.update((f"{fqn}.{name}", k) for name, k in zip(names, keys) if k is not None)
             block.forward = _regional_forward(block, region, names, pass_block, pairs, crossing, keys)
             forwards.append((block, previous, block.forward))
@@ -299,9 +299,8 @@ def _regional_forward(block: nn.Module, region, names, pass_block: bool, pairs: 
 
 
 def _direct(entries, subclasses) -> tuple | None:
-    """Per tensor, the region operands of its ``Deferred`` entry (None: none): a plain parameter's gathered local
-    tensor, or what ``SubclassCrossing.direct`` makes of a subclass's, annotated as part of the unshard of the
-    entry's unit (``passes/recompute.py`` re-gathers what it tags)."""
+    """Per tensor, the region operands ``SubclassCrossing.direct`` makes of its ``Deferred`` entry (None: none),
+    annotated as part of the unshard of the entry's unit (``passes/recompute.py`` re-gathers what it tags)."""
     if entries is None:
         return None
     out, units = [None] * len(entries), []
@@ -312,7 +311,7 @@ def _direct(entries, subclasses) -> tuple | None:
         with annotate(UNSHARD, members, unit):
             for j, (entry, sub) in enumerate(zip(entries, subclasses)):
                 if entry is not None and entry.unit == unit:
-                    out[j] = (entry.local,) if entry.attach is None else sub.direct.apply(*entry.attach)
+                    out[j] = sub.direct.apply(*entry.attach)
     return tuple(out)
 
 
