@@ -128,7 +128,8 @@ def _make_region(blocks: list[nn.Module], index: int, crossing: tuple | None = N
 
 
 def inline_reason(plan: ShardingPlan, fqns: list[str], model: nn.Module) -> str | None:
-    """Why the blocks ``fqns`` (one kind) of ``model`` cannot run as a region at all, or None."""
+    """Why the blocks ``fqns`` (one kind) of ``model`` cannot run as a region at all, or None: what ``compile`` reads
+    off the blocks (``install_regions``); what a compiled step finds since is ``found_inline``'s."""
     blocks = [model.get_submodule(f) for f in fqns]
     names = _tensor_names(blocks[0])
     # DTensor parameters cross the boundary as local tensors, their layouts constants of the region (``boundary``);
@@ -143,10 +144,7 @@ def inline_reason(plan: ShardingPlan, fqns: list[str], model: nn.Module) -> str 
     if why is not None:
         return why
     # subclass parameters cross as their inner tensors, their flatten contexts constants of the region (``boundary``)
-    why = boundary.subclass_reason(plan, fqns, names)
-    if why is not None:
-        return why
-    return found_inline(model, fqns)
+    return boundary.subclass_reason(plan, fqns, names)
 
 
 def found_inline(model: nn.Module, fqns: list[str]) -> str | None:
@@ -165,9 +163,9 @@ def install_regions(model: nn.Module, plan: ShardingPlan) -> tuple[list[list[str
     ``fsdp_compile_region_<i>``, unless ``passes/regions.py`` inlines its calls), per block routed,
     ``(block, its previous instance forward or None, the routing forward)`` for ``Attachment.detach``, and the
     parameters whose region takes them straight from the all-gather (a template region's subclass parameters:
-    ``capture.forward.Deferred``), each by fqn with the key its block's forward looks it up by, and
-    why each kind not routed runs inline (``inline_reason`` now: a model's forward may write its blocks' attributes
-    apart later, and a template region's blocks then run inline one by one, as ``_written_apart`` finds them)."""
+    ``capture.forward.Deferred``), each by fqn with the key its block's forward looks it up by, and why each kind
+    not routed runs inline (``inline_reason`` read here, once: a model's forward may write a template region's
+    blocks apart later, and those blocks then run inline one by one, as ``_written_apart`` finds them)."""
     _invoke_subgraph.register()
     modules = dict(model.named_modules())
     repeated = find_repeated_blocks(model, plan)
