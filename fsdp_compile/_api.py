@@ -16,6 +16,7 @@ from torch.utils._pytree import tree_flatten
 import torch.distributed as dist
 
 from fsdp_compile import _cudagraphs, _extensions, _fsdp2, _gc, capture
+from fsdp_compile._step import Step, traced_step
 from fsdp_compile._agree import agree_max
 from fsdp_compile._torch._gloo import warn_if_racy_gloo
 from fsdp_compile.backend import CapturedGraphs, make_backend
@@ -41,42 +42,6 @@ def fully_shard(module, **kwargs):
 
 
 fully_shard.__signature__ = inspect.signature(_torch_fully_shard)
-
-
-class _Step:
-    """One compiled step: its sharding plan, its schedule, the compiled functions (one per all-gather
-    extension key, ``_extensions.prepare``: a single one without extensions), and the parameters it reads."""
-
-    def __init__(self, model: nn.Module, plan: ShardingPlan, schedule: Schedule, build):
-        self.plan, self.schedule, self._build, self._compiled = plan, schedule, build, {}
-        self.param_plans = [capture.unit_params(plan, u) for u in schedule.units]
-        self.params = self.lookup(model)
-        owners: dict[int, tuple[nn.Module, str]] = {}
-        for module in model.modules():
-            for name, p in module._parameters.items():
-                if p is not None:
-                    owners.setdefault(id(p), (module, name))
-        self._slots = [[owners[id(p)] for p in unit] for unit in self.params]  # where each parameter lives
-
-    def compiled(self, key: tuple):
-        """The compiled function for all-gather extensions laid out as ``key`` (this rank alone: no collective)."""
-        fn = self._compiled.get(key)
-        if fn is None:
-            fn = self._compiled[key] = self._build(key)
-        return fn
-
-    def lookup(self, model: nn.Module) -> list[list[nn.Parameter]]:
-        """The model's current parameter objects, per unit."""
-        by_name = dict(model.named_parameters(remove_duplicate=False))  # ParamPlan.places' names too
-        return [[by_name[pp.fqn] for pp in unit] for unit in self.param_plans]
-
-    def current(self) -> bool:
-        """Whether the model still holds the parameter objects this step reads (attribute reads only)."""
-        return all(
-            module._parameters.get(name) is p
-            for unit, slots in zip(self.params, self._slots)
-            for p, (module, name) in zip(unit, slots)
-        )
 
 
 class CompiledFSDPModule(nn.Module):
@@ -105,7 +70,7 @@ class CompiledFSDPModule(nn.Module):
         self._groups = param_groups(model)  # [(fqn, FSDP state, param group)]: FSDP2's runtime settings
         self._settings: tuple = ()  # ((fqn, _fsdp2.Settings), ...) as read at the current call
         self._plan_settings = settings_key(self._groups)  # ... as they were when self.plan was read
-        self._steps: dict[tuple, _Step] = {}  # per plan: FSDP2's settings other than gradient sync
+        self._steps: dict[tuple, Step] = {}  # per plan: FSDP2's settings other than gradient sync
         self._sinks: dict[str, torch.Tensor] = {}  # parameter FQN -> accumulation sink (no-sync micro-batches)
         self._partials: dict[str, torch.Tensor] = {}  # ... its HSDP partial sink (micro-batches without all-reduce)
         self._meta = any(p.is_meta for p in model.parameters())  # explain's full-scale capture without memory
@@ -143,7 +108,7 @@ class CompiledFSDPModule(nn.Module):
         try:
             with (capture.active(self.config.regions, self._attachment.loggers), _named_collective_failures(),
                   _gc.ours()):
-                out = step.compiled(key)(shards, sinks, accumulated, partials, extensions, *args, **kwargs)
+                out = step.run(key, self.captured, shards, sinks, accumulated, partials, extensions, *args, **kwargs)
         finally:
             capture.flush_logs()
         # a later replay overwrites the graphs' outputs: what the caller keeps is copied out of the pool
@@ -184,7 +149,7 @@ class CompiledFSDPModule(nn.Module):
             self._watchdog.stop()
             self._watchdog = None
 
-    def _current_step(self, args, kwargs) -> _Step:
+    def _current_step(self, args, kwargs) -> Step:
         """The compiled step for FSDP2's current settings and parameters (a change takes effect here)."""
         for fqn, _, pg in self._groups:
             if _fsdp2.all_gather_in_flight(pg):
@@ -237,7 +202,7 @@ class CompiledFSDPModule(nn.Module):
         """FSDP2's settings as this call's step reads them (a pipeline stage's differ: ``_pipeline.py``)."""
         return settings_key(self._groups)
 
-    def _gradient_sync(self, step: _Step) -> tuple[list, list, list]:
+    def _gradient_sync(self, step: Step) -> tuple[list, list, list]:
         """Per unit: sinks for the unsharded gradients (FSDP2's set_requires_gradient_sync(False): no
         reduce-scatter, gradients accumulated unsharded) or, when it syncs, the gradients accumulated so
         far (consumed by this step's reduce-scatter, so forgotten here); and HSDP's (partial sinks, partials):
@@ -285,7 +250,7 @@ class CompiledFSDPModule(nn.Module):
                 sink.register_hook(torch.Tensor.clone)
         return sink
 
-    def _plan_and_compile(self, args, kwargs, modes: dict | None = None) -> _Step:
+    def _plan_and_compile(self, args, kwargs, modes: dict | None = None) -> Step:
         """On every rank together (the first call, or the first after FSDP2's settings changed): agree on
         the workload, plan the communication schedule (the same on every rank: ``passes/planner.py``),
         then build the compiled step. Later calls, and every recompile (new shapes, eval mode), reuse
@@ -303,8 +268,8 @@ class CompiledFSDPModule(nn.Module):
         )
         plan = self.plan
 
-        def build(key: tuple):
-            fn = _make_step(self._orig_mod, plan, schedule, self.kernels, key, self._attachment.deferred)
+        def build(key: tuple, deferred: dict[str, int]):
+            fn = traced_step(self._orig_mod, plan, schedule, self.kernels, key, deferred)
             # its own code object: Dynamo keeps its compiled entries (and its recompile limit, 8 by default)
             # per code object, so one process can hold many compiled models without their guards evicting each other
             fn = capture._unique_code(fn, f"fsdp_compile_step_{next(_instances)}")
@@ -312,7 +277,7 @@ class CompiledFSDPModule(nn.Module):
                                    stages=self._stages)
             return torch.compile(fn, backend=backend, fullgraph=True)
 
-        return _Step(self._orig_mod, self.plan, schedule, build)
+        return Step(self._orig_mod, self.plan, schedule, build, self._attachment.deferred)
 
     def detach(self) -> None:
         """Give the model back to eager FSDP2 exactly as ``compile`` found it: FSDP2's own forward hooks under
@@ -379,21 +344,6 @@ def _named_collective_failures():
             "ranks most likely diverged: every rank must call the compiled model for every step, with the same "
             "model and config, and none may have stopped; the first rank to fail says why (docs/troubleshooting.md)"
         ) from e
-
-
-def _make_step(model, plan, schedule, kernels, key: tuple, deferred: dict[str, int]):
-    # what the trace reads of each unit (its op arguments encoded: a constant string in the graph), found once
-    units = capture.unit_traces(plan, schedule, kernels, key)
-    places = capture.parameter_places(model, [fqn for u in units for fqn in u.fqns],
-                                      {p.fqn: p.places for u in units for p in u.params if p.places})
-    # a deferred parameter is built only in its block's forward: not one held elsewhere too (tied)
-    deferred = {fqn: k for fqn, k in deferred.items() if len(places.get(fqn, ())) == 1}
-
-    def step(shards, sinks, accumulated, partials, extensions, *args, **kwargs):
-        return capture.traced_forward(model, units, key, places, deferred, shards, sinks, accumulated, partials,
-                                      extensions, args, kwargs)
-
-    return step
 
 
 def _take_grads(sinks: dict, plans) -> list:

@@ -375,3 +375,53 @@ def test_float8_weights_go_to_their_region_unbuilt_and_are_built_where_a_block_r
         assert [r["why"] for r in compiled.regions()] == [None]
     finally:
         dist.destroy_process_group()
+
+
+def test_a_float8_weight_read_outside_its_block_is_built_at_top_level():
+    """A deferred float8 weight is None in its place outside its block during the step, so a model that reads
+    one there (here the root's forward pre-hook, which reads a block's weight) failed in Dynamo's trace
+    ("Observed exception") where eager FSDP2 runs. The step is traced again with the weights built at top
+    level, with a warning that says so: two steps bitwise equal to eager FSDP2's with the float8 all-gather,
+    the hook reading what it reads eagerly, one Dynamo graph, the blocks still one region."""
+    pytest.importorskip("torchao.float8", reason="torchao (the test extra) is not installed")
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    def build():
+        torch.manual_seed(0)
+        model = Llama(LlamaArgs(n_layers=2))
+        config = Float8LinearConfig(enable_fsdp_float8_all_gather=True, emulate=True)
+        convert_to_float8_training(model, config=config, module_filter_fn=lambda _, fqn: fqn != "output")
+        model.register_forward_pre_hook(lambda m, args: setattr(
+            m, "read", (m.layers[0].attention.wq.weight.shape, m.layers[1].feed_forward.w2.weight.dtype)))
+        return shard(model, list(model.layers))
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        eager, model = build(), build()
+        compiled = fc.compile(model, backend="aot_eager")
+        runs, reads = [], []
+        for m, runner in ((eager, eager), (model, compiled)):
+            opt, out = torch.optim.AdamW(m.parameters(), lr=1e-2), []
+            for step in range(2):
+                x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(step))
+                if m is model and step == 0:
+                    with pytest.warns(UserWarning, match="built at top level.*AttributeError"):
+                        y = runner(x)
+                else:
+                    y = runner(x)
+                reads.append(m.read)
+                loss = F.cross_entropy(y.flatten(0, 1).float(), x.flatten())
+                loss.backward()
+                out.append((loss.detach(), [p.grad.to_local().clone() for p in m.parameters()]))
+                opt.step()
+                opt.zero_grad()
+            runs.append(out)
+        for (a, ga), (b, gb) in zip(*runs):
+            assert torch.equal(a, b) and all(torch.equal(x, y) for x, y in zip(ga, gb))
+        assert reads == [(torch.Size([64, 64]), torch.float32)] * 4, reads  # eager's two steps, then fc's
+        assert len(compiled.captured.dynamo) == 1
+        assert [r["why"] for r in compiled.regions()] == [None]
+    finally:
+        dist.destroy_process_group()
