@@ -44,6 +44,11 @@ foreach), the same batches):
                     Inductor settings (no buffer reuse, no peak-memory or comm reordering, the pass as
                     post_grad_custom_post_pass) are given to this compile only, not set globally; on
                     CPU, torch's roofline estimates get this machine's figures (_cpu_roofline says why)
+  simplefsdp:reshard  SimpleFSDP as above with its parameters resharded after forward, like fc's default: each
+                    all-gather (with its cast) recomputed in backward under torch.utils.checkpoint with a
+                    selective policy, as torchtitan's SimpleFSDP did for reshard_after_forward=True before 0.3.0
+                    and its graph_trainer's default memory policy does (reshard_after_forward "default" without
+                    pipeline parallelism is True); the like-for-like peer of fc, where simplefsdp is fc:no-reshard's
 With --float8: every Linear but the output is torchao's Float8Linear (emulated matmuls off sm_89+ GPUs, so on
 a CPU the compute is not float8's); the variants are eager, eager:float8-ag, torch.compile, fc, fc:float8-ag
 and compute-only, where ":float8-ag" sets enable_fsdp_float8_all_gather=True and precomputes the scales after
@@ -161,25 +166,102 @@ def _cpu_roofline() -> None:
                                                   else cpu.matmul_flops_lowp) / 1e12
 
 
-def compile_simple_fsdp(model: torch.nn.Module, model_name: str, backend: str):
-    """graph_trainer's JIT compile (compile.py, jit_backend.py) with transformer_block_bucketing."""
+def _regather_policy():
+    """torchtitan's SimpleFSDP before 0.3.0 (simple_fsdp.py's fsdp_policy): recompute the all-gather, its wait and
+    the parameter's cast in backward, save everything else."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    recompute = {torch.ops._c10d_functional.all_gather_into_tensor.default,
+                 torch.ops._c10d_functional.wait_tensor.default, torch.ops.aten._to_copy.default}
+
+    def policy(ctx, func, *args, **kwargs):
+        return CheckpointPolicy.MUST_RECOMPUTE if func in recompute else CheckpointPolicy.MUST_SAVE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def simple_fsdp_reshard(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` (SimpleFSDP's, with wrapper classes of its own: ``build``) with every parameter resharded after
+    forward, re-gathered in backward: each of its ``ReplicateComputation`` parametrizations (held by the property
+    SimpleFSDP's wrapper class gives each parameter) marked, and
+    the class's forward running a marked one's all-gather under ``torch.utils.checkpoint`` with
+    ``_regather_policy`` (what SimpleFSDP's forward did with ``reshard_after_forward=True`` before 0.3.0)."""
+    from torch.utils.checkpoint import checkpoint
+    from torchtitan.experiments.graph_trainer import simple_fsdp as S
+
+    cls = S.ReplicateComputation
+    if not getattr(cls, "_bench_reshard", False):
+        own = cls.forward
+
+        def forward(self, x):
+            if not getattr(self, "bench_reshard", False) or not S._active_parametrization:
+                return own(self, x)
+            return checkpoint(self.replicate_compute, x, use_reentrant=False, context_fn=_regather_policy)
+
+        cls.forward, cls._bench_reshard = forward, True
+    marked = 0
+    for module in model.modules():
+        for name in module._parameters:
+            prop = getattr(type(module), name, None)
+            cells = getattr(getattr(prop, "fget", None), "__closure__", None) or ()
+            for cell in cells:
+                if isinstance(cell.cell_contents, cls):
+                    cell.cell_contents.bench_reshard = True
+                    marked += 1
+    assert marked == sum(1 for _ in model.parameters()), (marked, "SimpleFSDP parametrizations found")
+    return model
+
+
+class _Inner(torch.nn.Module):
+    """``inner``, called: a module whose own forward Dynamo enters first (``compile_simple_fsdp``)."""
+
+    def __init__(self, inner: torch.nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args, **kwargs):
+        return self.inner(*args, **kwargs)
+
+
+def compile_simple_fsdp(model: torch.nn.Module, model_name: str, backend: str, regather: bool = False):
+    """graph_trainer's JIT compile (compile.py, jit_backend.py) with transformer_block_bucketing. ``regather``
+    (``simple_fsdp_reshard``'s model): under aot_eager, AOTAutograd's min-cut partitioner, which honors the
+    recompute policy (Inductor's is that one; AOTAutograd's default partitioner saves the all-gathers)."""
     from functools import partial
 
     n_layers = len(model.model.layers if model_name == "hf-llama" else model.layers)
     buckets = transformer_block_buckets(model_name, n_layers)
+    if model_name == "hf-llama":
+        # transformers' forward is a decorator's wrapper taking (*args, **kwargs), so Dynamo names the model
+        # L['args'][0] and torch's module paths (graph_view._clean_stack_name) no longer match the plan's: its
+        # bucketing found no module and left every parameter's collective alone (39 all-gathers, 39
+        # reduce-scatters on 4 layers). Called from a module of ours, the model is L['self'].inner.
+        model = _Inner(model)
+        buckets = [[f"inner.{n}" for n in b] if isinstance(b, list) else f"inner.{b}" for b in buckets]
     if not any(p.is_cuda for p in model.parameters()):
         _cpu_roofline()
     if backend == "aot_eager":
         from torch._dynamo.backends.common import aot_autograd
         from torchtitan.experiments.graph_trainer.fsdp_passes import transformer_block_bucketing_reordering_pass
 
+        from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
+
         pass_ = partial(transformer_block_bucketing_reordering_pass, fsdp_manual_buckets=buckets)
         return torch.compile(model, fullgraph=True, backend=aot_autograd(
-            fw_compiler=pass_, bw_compiler=pass_, keep_inference_input_mutations=True))
+            fw_compiler=pass_, bw_compiler=pass_, keep_inference_input_mutations=True,
+            partition_fn=min_cut_rematerialization_partition if regather else default_partition))
     from torch._inductor.fx_passes.overlap_manual_scheduling import manual_overlap_bucketing
 
     def bucketing(graph: torch.fx.Graph):
-        return manual_overlap_bucketing(graph.owning_module, module_bucket_plans=buckets, insert_overlap_deps=True)
+        kinds = (torch.ops._c10d_functional.all_gather_into_tensor.default,
+                 torch.ops._c10d_functional.reduce_scatter_tensor.default)
+        before = sum(n.target in kinds for n in graph.nodes)
+        out = manual_overlap_bucketing(graph.owning_module, module_bucket_plans=buckets, insert_overlap_deps=True)
+        after = sum(n.target in kinds for n in graph.owning_module.graph.nodes)
+        if before > len(buckets) and after == before:  # a peer that buckets nothing is not SimpleFSDP's step
+            raise RuntimeError(f"SimpleFSDP's bucketing matched none of the plan's modules ({buckets[:2]}...): "
+                               f"{before} collectives left as they were")
+        return out
 
     # the settings jit_backend.py writes into torch._inductor.config, scoped to this compile (forward and backward)
     options = {"allow_buffer_reuse": False, "reorder_for_peak_memory": False,
@@ -189,11 +271,12 @@ def compile_simple_fsdp(model: torch.nn.Module, model_name: str, backend: str):
 
 # The variants, in the order they run (each its own model; the module docstring says what each is)
 VARIANTS = ["eager", "torch.compile", "compute-only", "fc", "comm-only", "fc:cudagraphs", "fc:fsdp_group", "fc:no-reorder",
-            "fc:no-regions", "fc:no-reshard", "simplefsdp"]
+            "fc:no-regions", "fc:no-reshard", "simplefsdp", "simplefsdp:reshard"]
 FLOAT8_VARIANTS = ["eager", "eager:float8-ag", "torch.compile", "compute-only", "fc", "fc:no-regions", "fc:float8-ag"]
 FC_OVERRIDES = {"fc:fsdp_group": dict(bucket="fsdp_group", reorder=False), "fc:no-reorder": dict(reorder=False),
                 "fc:no-regions": dict(regions=False), "fc:cudagraphs": dict(cudagraphs=True)}
-SHARD_WITH = {"compute-only": False, "simplefsdp": "simplefsdp", "fc:no-reshard": "no-reshard"}  # build()'s ``sharded``
+SHARD_WITH = {"compute-only": False, "simplefsdp": "simplefsdp", "simplefsdp:reshard": "simplefsdp:reshard",
+              "fc:no-reshard": "no-reshard"}  # build()'s ``sharded``
 
 
 def make_variant(name: str, model_name: str, backend: str):
@@ -202,8 +285,8 @@ def make_variant(name: str, model_name: str, backend: str):
         return lambda m: m
     if name in ("torch.compile", "compute-only"):
         return lambda m: torch.compile(m, backend=backend)
-    if name == "simplefsdp":
-        return lambda m: compile_simple_fsdp(m, model_name, backend)
+    if name.startswith("simplefsdp"):
+        return lambda m: compile_simple_fsdp(m, model_name, backend, regather=name == "simplefsdp:reshard")
     return lambda m: fc.compile(m, backend=backend, **FC_OVERRIDES.get(name, {}))
 
 
@@ -241,13 +324,23 @@ def build(model_name: str, device: torch.device, sharded: bool | str = True, tp:
         mesh = {"mesh": _MESH["dp"]}
     if not sharded:
         return model.to(MP[mp].param_dtype) if mp else model
-    if sharded == "simplefsdp":
+    if sharded in ("simplefsdp", "simplefsdp:reshard"):
         from torch.distributed.device_mesh import init_device_mesh
         from torchtitan.experiments.graph_trainer import simple_fsdp as S
 
         policy = S.MixedPrecisionPolicy(MP[mp].param_dtype, MP[mp].reduce_dtype) if mp else None
-        return S.data_parallel(model, init_device_mesh(device.type, (dist.get_world_size(),)), mode="fully_shard",
-                               mp_policy=policy)
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        if sharded == "simplefsdp":
+            return S.data_parallel(model, mesh, mode="fully_shard", mp_policy=policy)
+        # SimpleFSDP gives all modules of one class one wrapper class, whose properties hold the first model's
+        # parametrizations: this model gets classes of its own, so that marking them leaves the other variant's
+        saved = dict(S._wrap_class_cache)
+        S._wrap_class_cache.clear()
+        try:
+            return simple_fsdp_reshard(S.data_parallel(model, mesh, mode="fully_shard", mp_policy=policy))
+        finally:
+            S._wrap_class_cache.clear()
+            S._wrap_class_cache.update(saved)
     if mp:
         mesh["mp_policy"] = MP[mp]
     if sharded == "no-reshard":
@@ -544,11 +637,11 @@ def main():
     if args.offload:  # the others are not offloaded (compute-only: unsharded) or not ours to compare here
         skipped.update({n: "--offload: eager and fc only" for n in names if n not in ("eager", "fc")})
         names = [n for n in names if n in ("eager", "fc")]
-    if not args.variants or "simplefsdp" in args.variants:
+    if any(n.startswith("simplefsdp") for n in names):
         why = ("--tp and --float8 runs leave it out" if args.tp > 1 or args.float8 else simple_fsdp_missing())
         if why:
-            skipped["simplefsdp"] = why
-            names = [n for n in names if n != "simplefsdp"]
+            skipped.update({n: why for n in names if n.startswith("simplefsdp")})
+            names = [n for n in names if not n.startswith("simplefsdp")]
     if "fc:cudagraphs" in names and device.type != "cuda":
         names.remove("fc:cudagraphs")
         skipped["fc:cudagraphs"] = "CUDA graphs: CUDA only"
@@ -655,7 +748,7 @@ def main():
             "reduce_scatters": graph["reduce_scatters"] if graph else None,
             # FSDP's collectives, full buffers: torch.distributed calls (eager hooks) plus in-graph collectives
             # (None for SimpleFSDP: its collectives are in graphs we do not capture)
-            "collective_bytes_per_step": None if v.name == "simplefsdp" else v.eager_bytes + (graph["bytes"] if graph else 0),
+            "collective_bytes_per_step": None if v.name.startswith("simplefsdp") else v.eager_bytes + (graph["bytes"] if graph else 0),
             "collective_bytes_per_dim": v.bytes_per_dim,
             "peak_bytes": v.peak_bytes,
             "peak_bytes_per_step": v.peaks,
@@ -667,6 +760,7 @@ def main():
             results[v.name]["median_cpu_s"] = v.median_cpu_s()
 
     tc, peer, comm = results.get("torch.compile"), results.get("simplefsdp"), results.get("comm-only")
+    peer_reshard = results.get("simplefsdp:reshard")
     bound, floor = bound_and_floor(results)
     say("\n| variant | median ms | p10-p90 ms | vs eager | vs compute-only | vs CPU floor | predicted ms | first step s | Python c10d calls/step | in-graph AG/RS | collective MB/step | step peak MiB | final loss (Δ vs eager) |")
     say("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -697,7 +791,7 @@ def main():
             f"compute-only + comm-only's CPU time {floor * 1e3:.1f} ms (every core busy with compute); "
             f"compute-only + comm-only {(bound['median_step_s'] + comm['median_step_s']) * 1e3:.1f} ms (no overlap)")
     for name, r in results.items():
-        if name.startswith("fc") or name == "simplefsdp":
+        if name.startswith(("fc", "simplefsdp")):
             say(
                 f"{name}: {r['ratio_vs_eager']:.2f}x eager"
                 + (f", {r['median_step_s'] / bound['median_step_s']:.2f}x the compute-only bound" if bound else "")
@@ -707,6 +801,8 @@ def main():
                 + (f"; first step {r['first_step_s'] / tc['first_step_s']:.2f}x torch.compile's" if tc else "")
                 + (f"; {r['median_step_s'] / peer['median_step_s']:.2f}x SimpleFSDP's step"
                    if peer and name != "simplefsdp" else "")
+                + (f"; {r['median_step_s'] / peer_reshard['median_step_s']:.2f}x SimpleFSDP resharded's"
+                   if peer_reshard and not name.startswith("simplefsdp") else "")
             )
     for base_name in ("eager", "fc") if args.float8 else ():
         r, base_r = results.get(f"{base_name}:float8-ag"), results.get(base_name)
