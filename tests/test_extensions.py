@@ -425,3 +425,66 @@ def test_a_float8_weight_read_outside_its_block_is_built_at_top_level():
         assert [r["why"] for r in compiled.regions()] == [None]
     finally:
         dist.destroy_process_group()
+
+
+def test_the_step_retries_only_a_failed_first_trace_that_deferred_weights():
+    """``Step.run``'s retry without deferred weights is taken only where it repeats nothing: the first call of a
+    key, whose trace failed before reaching the backend, while the step defers weights. A failure after the
+    backend took a graph (the graph may have run, and issued collectives), a later call's failure, or a step
+    deferring nothing raises as it is."""
+    from fsdp_compile._step import Step
+
+    class Captured:
+        def __init__(self):
+            self.dynamo = []
+
+    def step(deferred, fail):  # fail(deferred, captured) -> raise or not, per build
+        s = Step.__new__(Step)
+        s._compiled, s._deferred, s._ran, s.built = {}, deferred, set(), []
+
+        def build(key, deferred):
+            s.built.append(dict(deferred))
+
+            def fn(captured):
+                fail(deferred, captured)
+                captured.dynamo.append("graph")
+                return "out"
+            return fn
+
+        s._build = build
+        return s
+
+    def fails_while_deferred(deferred, captured):
+        if deferred:
+            raise RuntimeError("Observed exception\nDeveloper debug context: raised exception AttributeError('shape')")
+
+    s, captured = step({"w": 0}, fails_while_deferred), Captured()
+    with pytest.warns(UserWarning, match=r"built at top level.*AttributeError\('shape'\)"):
+        assert s.run("k", captured, captured) == "out"
+    assert s.built == [{"w": 0}, {}] and s.run("k", captured, captured) == "out" and len(s.built) == 2
+
+    def fails_in_the_backend(deferred, captured):
+        captured.dynamo.append("graph")
+        raise RuntimeError("after the backend")
+
+    def fails(deferred, captured):
+        raise RuntimeError("a step that defers nothing")
+
+    for deferred, fail in (({"w": 0}, fails_in_the_backend), ({}, fails)):
+        s, captured = step(deferred, fail), Captured()
+        with pytest.raises(RuntimeError):
+            s.run("k", captured, captured)
+        assert len(s.built) == 1, (deferred, s.built)
+
+    calls = []
+
+    def fails_the_second_call(deferred, captured):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("the second call")
+
+    s, captured = step({"w": 0}, fails_the_second_call), Captured()
+    s.run("k", captured, captured)
+    with pytest.raises(RuntimeError, match="the second call"):
+        s.run("k", captured, captured)
+    assert len(s.built) == 1
