@@ -16,8 +16,8 @@ from torch.utils._pytree import tree_flatten
 import torch.distributed as dist
 
 from fsdp_compile import _cudagraphs, _extensions, _fsdp2, _gc, capture
-from fsdp_compile._step import Step, traced_step
 from fsdp_compile._agree import agree_max
+from fsdp_compile._step import Step, traced_step
 from fsdp_compile._torch._gloo import warn_if_racy_gloo
 from fsdp_compile.backend import CapturedGraphs, make_backend
 from fsdp_compile.config import CompileConfig

@@ -327,6 +327,23 @@ def test_local_shards_add_a_shared_parameters_gradients_in_fsdp2s_order():
         assert (1.0 + (2.0**-24 + 2.0**-24)) != expected  # the other order
 
 
+def _float8_llama(n_layers: int, hook, **attributes):
+    """A seeded Llama of ``n_layers`` in torchao's float8 with the float8 all-gather (emulated matmuls), but its
+    output; ``attributes`` set on every block, ``hook`` the root's forward pre-hook; each block and the root
+    sharded."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    torch.manual_seed(0)
+    model = Llama(LlamaArgs(n_layers=n_layers))
+    config = Float8LinearConfig(enable_fsdp_float8_all_gather=True, emulate=True)
+    convert_to_float8_training(model, config=config, module_filter_fn=lambda _, fqn: fqn != "output")
+    for block in model.layers:
+        for name, value in attributes.items():
+            setattr(block, name, value)
+    model.register_forward_pre_hook(hook)
+    return shard(model, list(model.layers))
+
+
 def test_float8_weights_go_to_their_region_unbuilt_and_are_built_where_a_block_runs_inline():
     """A float8 block's weights enter its region straight from the all-gather (``capture.forward.Deferred``: the
     Float8TrainingTensor is never built at top level), and a block of that kind that runs inline builds its own
@@ -336,17 +353,9 @@ def test_float8_weights_go_to_their_region_unbuilt_and_are_built_where_a_block_r
     pytest.importorskip("torchao.float8", reason="torchao (the test extra) is not installed")
     import torch.distributed as dist
     import torch.nn.functional as F
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     def build():
-        torch.manual_seed(0)
-        model = Llama(LlamaArgs(n_layers=3))
-        config = Float8LinearConfig(enable_fsdp_float8_all_gather=True, emulate=True)
-        convert_to_float8_training(model, config=config, module_filter_fn=lambda _, fqn: fqn != "output")
-        for block in model.layers:
-            block.tag = 0
-        model.register_forward_pre_hook(lambda m, args: setattr(m.layers[2], "tag", 1))
-        return shard(model, list(model.layers))
+        return _float8_llama(3, lambda m, args: setattr(m.layers[2], "tag", 1), tag=0)
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -386,16 +395,10 @@ def test_a_float8_weight_read_outside_its_block_is_built_at_top_level():
     pytest.importorskip("torchao.float8", reason="torchao (the test extra) is not installed")
     import torch.distributed as dist
     import torch.nn.functional as F
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     def build():
-        torch.manual_seed(0)
-        model = Llama(LlamaArgs(n_layers=2))
-        config = Float8LinearConfig(enable_fsdp_float8_all_gather=True, emulate=True)
-        convert_to_float8_training(model, config=config, module_filter_fn=lambda _, fqn: fqn != "output")
-        model.register_forward_pre_hook(lambda m, args: setattr(
+        return _float8_llama(2, lambda m, args: setattr(
             m, "read", (m.layers[0].attention.wq.weight.shape, m.layers[1].feed_forward.w2.weight.dtype)))
-        return shard(model, list(model.layers))
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
