@@ -183,9 +183,9 @@ def _regather_policy():
 def simple_fsdp_reshard(model: torch.nn.Module) -> torch.nn.Module:
     """``model`` (SimpleFSDP's, with wrapper classes of its own: ``build``) with every parameter resharded after
     forward, re-gathered in backward: each of its ``ReplicateComputation`` parametrizations (held by the property
-    SimpleFSDP's wrapper class gives each parameter) marked, and
-    the class's forward running a marked one's all-gather under ``torch.utils.checkpoint`` with
-    ``_regather_policy`` (what SimpleFSDP's forward did with ``reshard_after_forward=True`` before 0.3.0)."""
+    SimpleFSDP's wrapper class gives each parameter) marked, and the class's forward running a marked one's
+    all-gather under ``torch.utils.checkpoint`` with ``_regather_policy`` (what SimpleFSDP's forward did with
+    ``reshard_after_forward=True`` before 0.3.0)."""
     from torch.utils.checkpoint import checkpoint
     from torchtitan.experiments.graph_trainer import simple_fsdp as S
 
@@ -242,9 +242,8 @@ def compile_simple_fsdp(model: torch.nn.Module, model_name: str, backend: str, r
         _cpu_roofline()
     if backend == "aot_eager":
         from torch._dynamo.backends.common import aot_autograd
-        from torchtitan.experiments.graph_trainer.fsdp_passes import transformer_block_bucketing_reordering_pass
-
         from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
+        from torchtitan.experiments.graph_trainer.fsdp_passes import transformer_block_bucketing_reordering_pass
 
         pass_ = partial(transformer_block_bucketing_reordering_pass, fsdp_manual_buckets=buckets)
         return torch.compile(model, fullgraph=True, backend=aot_autograd(
