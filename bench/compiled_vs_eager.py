@@ -252,11 +252,9 @@ def compile_simple_fsdp(model: torch.nn.Module, model_name: str, backend: str, r
     from torch._inductor.fx_passes.overlap_manual_scheduling import manual_overlap_bucketing
 
     def bucketing(graph: torch.fx.Graph):
-        kinds = (torch.ops._c10d_functional.all_gather_into_tensor.default,
-                 torch.ops._c10d_functional.reduce_scatter_tensor.default)
-        before = sum(n.target in kinds for n in graph.nodes)
+        before = sum(count_collectives([graph.owning_module]).values())
         out = manual_overlap_bucketing(graph.owning_module, module_bucket_plans=buckets, insert_overlap_deps=True)
-        after = sum(n.target in kinds for n in graph.owning_module.graph.nodes)
+        after = sum(count_collectives([graph.owning_module]).values())
         if before > len(buckets) and after == before:  # a peer that buckets nothing is not SimpleFSDP's step
             raise RuntimeError(f"SimpleFSDP's bucketing matched none of the plan's modules ({buckets[:2]}...): "
                                f"{before} collectives left as they were")
