@@ -6,6 +6,8 @@ import dataclasses
 import os
 from typing import Literal, Union, get_args
 
+from fsdp_compile.passes.cost_model import HardwareProfile
+
 Backend = Literal["inductor", "aot_eager"]
 BucketMode = Literal["none", "fsdp_group", "auto"]
 Kernels = Literal["auto", "triton", "torch"]
@@ -49,8 +51,11 @@ class CompileConfig:
     the part of the peak a schedule decides (activations and sharded state are the same under every
     schedule), and the same on every rank. ``None``: what eager FSDP2 holds on the same model."""
 
-    hardware: Hardware = "auto"
-    """Cost-model profile; ``"auto"`` picks ``cpu-gloo`` on CPU and an H100 profile on CUDA."""
+    hardware: Hardware | HardwareProfile = "auto"
+    """Cost-model profile: a name (``"auto"`` picks ``cpu-gloo`` on CPU and an H100 profile on CUDA), or a
+    ``passes.HardwareProfile`` of your own (your machine's measured speeds: ``bench/calibrate_cpu_gloo.py``
+    measures a CPU's). Every rank must pass the same one, as every other field (the ranks' configs are
+    compared at the first call)."""
 
     regions: bool = True
     """Trace and compile each kind of repeated block (same class, parameter shapes, dtypes and mixed
@@ -76,7 +81,9 @@ class CompileConfig:
 
     def __post_init__(self) -> None:
         _check_choice("backend", self.backend, Backend, "fsdp_compile runs its passes before either")
-        _check_choice("hardware", self.hardware, Hardware, "the cost model's profiles; 'auto' picks by device")
+        if not isinstance(self.hardware, HardwareProfile):
+            _check_choice("hardware", self.hardware, Hardware,
+                          "the cost model's profiles; 'auto' picks by device; or a passes.HardwareProfile")
         _check_choice("kernels", self.kernels, Kernels, "the copy-in/copy-out implementation")
         for name in ("reorder", "regions", "cudagraphs"):
             if not isinstance(getattr(self, name), bool):

@@ -453,6 +453,23 @@ def test_explain_fills_estimates():
     assert [g["kind"] for g in report.graphs] == ["forward", "backward"]
 
 
+def test_hardware_takes_a_profile_of_your_own():
+    """``hardware=`` a ``HardwareProfile``: the plan is made from its numbers and the report names it; the same
+    numbers as a built-in profile plan the same schedule, a slower link a slower predicted step."""
+    from fsdp_compile.passes.cost_model import GB, H100_NVLINK, LinkProfile
+
+    mine = dataclasses.replace(H100_NVLINK, name="my-cluster")
+    slow = dataclasses.replace(H100_NVLINK, name="slow-link", intra=LinkProfile(bus_bw=1 * GB, step_latency=1e-3, base_latency=0.0))
+    with fake_process_group(8):
+        reports = [fc.explain(llama(4), tokens(), config=fc.CompileConfig(backend="aot_eager", hardware=h))
+                   for h in ("h100-nvlink", mine, slow)]
+    by_name, by_profile, slower = reports
+    assert (by_name.hardware, by_profile.hardware, slower.hardware) == ("h100-nvlink", "my-cluster", "slow-link")
+    strip = lambda r: {k: v for k, v in r.schedule.items() if k not in ("hardware", "planning_s")}  # noqa: E731
+    assert strip(by_profile) == strip(by_name)
+    assert slower.est_step_ms > by_name.est_step_ms
+
+
 def test_dump_dir(tmp_path):
     """A real compile with dump_dir writes each graph at each stage and its predicted schedule."""
     with fake_process_group(2):
