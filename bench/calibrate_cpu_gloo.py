@@ -22,6 +22,14 @@ algorithm of its own speed (torch's gloo reduce-scatter is an all-reduce of its 
 so the shared fit above prices an all-reduce at about twice what it takes). It fits ``t = alpha + x /
 bus_bw`` with the ring's ``x = 2 bytes (W-1)/W`` and writes ``calibrate_cpu_gloo_all_reduce.json``, the
 source of ``CPU_GLOO.kind_links``. The rest of the profile is left as it is.
+
+``--contention`` measures what a collective takes from compute running beside it (``CPU_GLOO.
+comm_cpu_share``): on both ranks, the compute the planner overlaps collectives with, a training step
+(forward and backward of ``fsdp_compile.models.Llama`` "small", unsharded, compiled by Inductor: its
+matmuls and fused kernels), alone, and the same step right after issuing a collective whose wait follows
+the step, alternating, 15 pairs per kind and size (1 .. 16 MiB); the delay is the paired difference, and
+the share the least-squares slope of the median delays on the collective's own duration (measured in the
+same rounds, nothing beside it). Writes ``calibrate_cpu_gloo_contention.json``; takes about a minute.
 """
 
 from __future__ import annotations
@@ -138,6 +146,79 @@ def _worker(rank: int, store_path: str, out_path: str, kinds: tuple[str, ...] = 
         dist.destroy_process_group()
 
 
+def _contention_worker(rank: int, store_path: str, out_path: str) -> None:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, W), rank=rank, world_size=W)
+    c10d = torch.ops._c10d_functional
+    group_name = dist.group.WORLD.group_name
+    from fsdp_compile.models import SIZES, Llama
+
+    torch.manual_seed(0)
+    model = torch.compile(Llama(SIZES["small"]))
+    tokens = torch.randint(0, SIZES["small"].vocab, (4, 64))
+
+    def compute():
+        model(tokens).float().sum().backward()
+
+    for _ in range(3):  # the compile, then warm
+        compute()
+
+    rows = []
+    try:
+        for kind in ("all_gather", "reduce_scatter", "all_reduce"):
+            for nbytes in (1 << 20, 4 << 20, 16 << 20):
+                x = torch.randn(nbytes // 4 // W if kind == "all_gather" else nbytes // 4)
+
+                def issue(x=x, kind=kind):
+                    if kind == "all_gather":
+                        return c10d.all_gather_into_tensor(x, W, group_name)
+                    if kind == "reduce_scatter":
+                        return c10d.reduce_scatter_tensor(x, "sum", W, group_name)
+                    return c10d.all_reduce(x.clone(), "sum", group_name)
+
+                c10d.wait_tensor(issue())
+                alone, coll, delay = [], [], []
+                for _ in range(15):
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    compute()
+                    alone.append(time.perf_counter() - t0)
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    c10d.wait_tensor(issue())
+                    coll.append(time.perf_counter() - t0)
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    work = issue()
+                    compute()
+                    delay.append(time.perf_counter() - t0 - alone[-1])
+                    c10d.wait_tensor(work)
+                rows.append({"kind": kind, "bytes": nbytes, "compute_s": _agreed(statistics.median(alone)),
+                             "collective_s": _agreed(statistics.median(coll)), "delay_s": _agreed(statistics.median(delay))})
+        if rank == 0:
+            with open(out_path, "w") as f:
+                json.dump(rows, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def contention_main(out_path: str) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "out.json")
+        mp.spawn(_contention_worker, args=(os.path.join(tmp, "store"), out), nprocs=W, join=True)
+        with open(out) as f:
+            rows = json.load(f)
+    print(f"cpu-gloo contention, {datetime.date.today()}, {W} gloo ranks on 127.0.0.1, 1 thread per rank")
+    for r in rows:
+        print(f"  {r['kind']:>15} {r['bytes'] >> 10:>6} KiB: collective {r['collective_s'] * 1e3:6.2f} ms, compute beside it "
+              f"+{r['delay_s'] * 1e3:6.2f} ms of {r['compute_s'] * 1e3:.1f} ({r['delay_s'] / r['collective_s']:.2f})")
+    share = sum(r["delay_s"] * r["collective_s"] for r in rows) / sum(r["collective_s"] ** 2 for r in rows)
+    print(f"  fit: comm_cpu_share = {share:.3f}")
+    H.write_json(out_path, {"machine": H.machine(), "rows": rows, "fit": {"comm_cpu_share": share}})
+    print(f"wrote {out_path}")
+
+
 def fit(rows: list[tuple[int, float]], world_size: int = W, passes: int = 1) -> tuple[float, float]:
     """Least squares of ``t = alpha + x / bw`` with ``x = passes * bytes * (W-1)/W`` (an all-reduce's ring: 2
     passes), on relative error."""
@@ -180,7 +261,14 @@ def main() -> None:
     )
     parser.add_argument("--all-reduce", action="store_true",
                         help="measure gloo's all-reduce alone (default --out: results/calibrate_cpu_gloo_all_reduce.json)")
+    parser.add_argument("--contention", action="store_true",
+                        help="measure what collectives take from compute beside them (default --out: "
+                             "results/calibrate_cpu_gloo_contention.json)")
     args = parser.parse_args()
+    if args.contention:
+        contention_main(args.out if args.out != parser.get_default("out")
+                        else os.path.join(os.path.dirname(__file__), "results", "calibrate_cpu_gloo_contention.json"))
+        return
     if args.all_reduce:
         all_reduce_main(args.out if args.out != parser.get_default("out")
                         else os.path.join(os.path.dirname(__file__), "results", "calibrate_cpu_gloo_all_reduce.json"))

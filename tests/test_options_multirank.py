@@ -130,7 +130,7 @@ def test_auto_buckets_follow_gradient_sync(results):
         assert all(le == lc for le, lc in r["losses"]), (rank, r["losses"])
         assert max(r["grad_diff"]) == 0.0 and max(r["param_diff"]) == 0.0, (rank, r)
         merged = r["units"][0]  # all alike
-        assert ["layers.0", "layers.1"] in merged, merged
+        assert any(len(u) > 1 and "layers.1" in u for u in merged), merged  # layers.1 bucketed with another block
         for split in (r["units"][1], r["units"][-1]):  # layers.1 without sync; then with another reshard
             assert ["layers.1"] in split and not any(len(u) > 1 and "layers.1" in u for u in split), split
 

@@ -176,8 +176,8 @@ def test_auto_never_touches_a_gpu_driver(monkeypatch):
 
 
 def test_cpu_gloo_profile_is_its_calibration():
-    """The cpu-gloo constants are the fits that bench/calibrate_cpu_gloo.py wrote (its all-reduce link too), and the
-    profile cites them."""
+    """The cpu-gloo constants are the fits that bench/calibrate_cpu_gloo.py wrote (its all-reduce link and the
+    contention share too), and the profile cites them."""
     import json
     import pathlib
 
@@ -198,3 +198,7 @@ def test_cpu_gloo_profile_is_its_calibration():
     link = dict(p.kind_links)["all_reduce"]
     for name, value in json.loads(ar.read_text())["fit"]["all_reduce"].items():
         assert getattr(link, name) == pytest.approx(value, rel=0.01, abs=1e-12), name
+    # what gloo's threads take from compute beside them (``--contention``), rounded as the profile states it
+    contention = pathlib.Path(__file__).parents[1] / "bench" / "results" / "calibrate_cpu_gloo_contention.json"
+    assert "bench/results/calibrate_cpu_gloo_contention.json" in p.source
+    assert p.comm_cpu_share == pytest.approx(json.loads(contention.read_text())["fit"]["comm_cpu_share"], abs=0.005)

@@ -57,6 +57,38 @@ def test_all_gather_hidden_behind_matmul():
     assert json.loads(s.to_json())["collectives"][0]["exposed"] == pytest.approx(1 * MS)
 
 
+def test_communication_that_shares_the_compute_processor_slows_compute():
+    """``comm_cpu_share`` 0.5 (gloo's threads on the cores compute runs on). ``ag1`` of 0.5 MB per rank (1 ms +
+    1 MB * (1/2) / 0.5 GB/s = 2 ms) beside ``mm0`` (2 ms): hidden whole, it ran 2 ms beside compute, so its wait
+    charges the compute stream 1 ms; then ``mm1`` (0.5 ms): step 3.5 ms, where it is 2.5 ms with the
+    collective free. Waited at once, it ran beside nothing: it costs its duration and no more."""
+    import dataclasses
+
+    with fake_process_group(2):
+        pg = dist.group.WORLD.group_name
+
+        def step(x, a):
+            ag1 = c10d.all_gather_into_tensor(x, 2, pg)
+            mm0 = torch.mm(a, a)
+            full = c10d.wait_tensor(ag1)
+            return torch.mm(full.view(250, 1000), mm0)
+
+        def exposed(x, a):
+            full = c10d.wait_tensor(c10d.all_gather_into_tensor(x, 2, pg))
+            return torch.mm(full.view(250, 1000), torch.mm(a, a))
+
+        g, g_exposed = _trace(step, (125_000,), (1000, 1000)), _trace(exposed, (125_000,), (1000, 1000))
+    free, shared = CostModel(PROFILE), CostModel(dataclasses.replace(PROFILE, comm_cpu_share=0.5))
+    assert simulate(g, free).step_time == pytest.approx(2.5 * MS)
+    s = simulate(g, shared)
+    assert (s.step_time, s.compute_time, s.exposed_comm_time) == pytest.approx((3.5 * MS, 3.5 * MS, 0))
+    (ag,) = s.collectives
+    assert (ag.issue, ag.end, ag.wait_at, ag.exposed, ag.hidden) == pytest.approx((0, 2 * MS, 2 * MS, 0, 2 * MS))
+    assert simulate(g_exposed, shared).step_time == pytest.approx(simulate(g_exposed, free).step_time) == pytest.approx(4.5 * MS)
+    (ag,) = simulate(g_exposed, shared).collectives
+    assert (ag.exposed, ag.hidden) == pytest.approx((2 * MS, 0))
+
+
 def test_same_process_group_queues_other_groups_overlap():
     """Two all-gathers issued together, then ``mm0`` (2 ms), then both waits.
 

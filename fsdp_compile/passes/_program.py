@@ -160,8 +160,10 @@ class CollTiming:
     exposed: float = 0.0
 
 
-def run(ops: list[Op], issue_overhead: float) -> tuple[float, float, list[CollTiming]]:
-    """``(step time, compute-stream busy time, per-collective timings)``; rules in ``simulate``'s docstring."""
+def run(ops: list[Op], issue_overhead: float, comm_cpu_share: float = 0.0) -> tuple[float, float, list[CollTiming]]:
+    """``(step time, compute-stream busy time, per-collective timings)``; rules in ``simulate``'s docstring.
+    At each wait, ``comm_cpu_share`` (``HardwareProfile.comm_cpu_share``) of the time the collective ran beside
+    the compute stream (from its start to the earlier of its end and the wait) is charged to the compute stream."""
     t = busy = 0.0
     free: dict[str, float] = {}
     timings: dict[str, CollTiming] = {}
@@ -176,6 +178,9 @@ def run(ops: list[Op], issue_overhead: float) -> tuple[float, float, list[CollTi
             ct = timings.get(op.coll)
             if ct is not None and ct.wait_at is None:
                 ct.wait_at = t
+                charge = comm_cpu_share * max(0.0, min(ct.end, t) - ct.start)  # what it took from the compute beside it
+                t += charge
+                busy += charge
                 ct.exposed = max(0.0, ct.end - t)
                 t = max(t, ct.end)
         else:

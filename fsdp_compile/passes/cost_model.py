@@ -77,6 +77,11 @@ class HardwareProfile:
     # Collective kinds the backend runs with an algorithm of a speed of its own: their link, in place of
     # ``link``'s one level (gloo's all-reduce, against the all-gather and reduce-scatter ``intra`` is fitted on).
     kind_links: tuple[tuple[str, LinkProfile], ...] = ()
+    # The share of the time a collective runs beside compute that it takes from compute: 0 where the collective
+    # runs on hardware of its own (a GPU's copy engines and NCCL's SMs, as this model counts them); gloo's
+    # threads run on the cores compute runs on, so a collective that overlaps compute slows it. Charged to the
+    # compute stream at the collective's wait (``_program.run``).
+    comm_cpu_share: float = 0.0
 
     def __post_init__(self):
         if self.matmul_flops_float8 is None:
@@ -173,8 +178,14 @@ CPU_GLOO = HardwareProfile(
     # is itself an all-reduce of its whole input (``collective_scratch``), so ``intra``'s fit priced every
     # all-reduce (``replicate``'s gradients, HSDP's) about twice.
     kind_links=(("all_reduce", LinkProfile(bus_bw=1.485 * GB, step_latency=193.3 * US, base_latency=0.0)),),
+    # gloo's threads share the cores with compute: a collective beside a training step (a small Llama's forward
+    # and backward, compiled) delayed the step by 0.69 of the collective's own duration (all-gather,
+    # reduce-scatter and all-reduce, 1-16 MiB; ``bench/calibrate_cpu_gloo.py --contention``, 2026-11-30).
+    # Without it the planner took communication hidden behind compute as free.
+    comm_cpu_share=0.69,
     source="bench/results/calibrate_cpu_gloo.json (bench/calibrate_cpu_gloo.py on the development machine, 2026-11-22); "
-           "all-reduce: bench/results/calibrate_cpu_gloo_all_reduce.json (--all-reduce, 2026-11-29)",
+           "all-reduce: bench/results/calibrate_cpu_gloo_all_reduce.json (--all-reduce, 2026-11-29); "
+           "contention: bench/results/calibrate_cpu_gloo_contention.json (--contention, 2026-11-30)",
 )
 
 PROFILES: dict[str, HardwareProfile] = {p.name: p for p in (H100_NVLINK, H100_IB, CPU_GLOO)}

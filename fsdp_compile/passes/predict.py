@@ -49,12 +49,13 @@ class _Machine:
 
     def __init__(self, profile: HardwareProfile, blocking: bool, record: bool = False):
         self.overhead = profile.op_overhead
+        self.comm_share = profile.comm_cpu_share
         self.scratch = profile.scratch_bytes
         self.blocking = blocking  # every collective waited as it is issued
         self.nbytes: dict[int, int] = {}  # buffer -> bytes (a buffer has the same bytes in every schedule)
         self.t = self.busy = 0.0  # compute stream: now, and busy so far
         self.free: dict[str, float] = {}  # process group -> when its stream is done
-        self.pending: dict[int, tuple[float, int]] = {}  # collective issued, not waited -> (its end, its scratch)
+        self.pending: dict[int, tuple[float, float, int]] = {}  # collective issued, not waited -> (start, end, scratch)
         self.rs_held: frozenset[int] = frozenset()  # reduce-scatter buffers not yet released
         self.live = self.peak = 0
         self.ops: list[_program.Op] | None = [_program.Op("start", "io")] if record else None
@@ -86,7 +87,7 @@ class _Machine:
         self.busy += self.overhead
         start = max(self.t, self.free.get(pg, 0.0))
         self.free[pg] = start + seconds
-        self.pending[key] = (start + seconds, scratch)
+        self.pending[key] = (start, start + seconds, scratch)
         if key & 1:
             self.rs_held = self.rs_held | {key}
         if self.ops is not None:
@@ -99,8 +100,11 @@ class _Machine:
     def wait(self, key: int) -> None:
         """Wait for ``key`` (once: a blocking program has waited at the issue; its buffer stays held)."""
         if key in self.pending:
-            end, scratch = self.pending.pop(key)
+            start, end, scratch = self.pending.pop(key)
             self.peak = max(self.peak, self.live)
+            charge = self.comm_share * max(0.0, min(end, self.t) - start)  # ``_program.run``'s charge
+            self.t += charge
+            self.busy += charge
             self.t = max(self.t, end)
             self.live -= scratch
             if self.ops is not None:

@@ -69,7 +69,7 @@ class _Direction:
         m = self._machine()
         m.t, m.busy, m.rs_held, m.live = t + dt, busy + dbusy, rs_held, live
         m.free = {pg: v + dt for pg, v in free.items()}
-        m.pending = {key: (end + dt, scratch) for key, (end, scratch) in pending.items()}
+        m.pending = {key: (start + dt, end + dt, scratch) for key, (start, end, scratch) in pending.items()}
         m.peak = max(self.start_peak, max(self.peaks[:k])) if k else self.start_peak
         return m
 
@@ -101,7 +101,8 @@ class _Direction:
             dt, dbusy = self.shifts.at(k) if k < len(self.states) else (0.0, 0.0)
             t, busy, free, pending, rs_held, live = m.t, m.busy, m.free, m.pending, m.rs_held, m.live
             states.append((t - dt, busy - dbusy, {pg: v - dt for pg, v in free.items()},
-                           {key: (end - dt, scratch) for key, (end, scratch) in pending.items()}, rs_held, live))
+                           {key: (start - dt, end - dt, scratch) for key, (start, end, scratch) in pending.items()},
+                           rs_held, live))
             before, m.peak = m.peak, m.live
             program.segment(m, k)
             peaks.append(m.peak)
@@ -144,15 +145,18 @@ class _Direction:
 
 def _meets(m: _Machine, state: tuple) -> bool:
     """Whether ``m`` is in ``state`` up to a shift in time: the same bytes live and buffers held, the same
-    collectives pending, each ending as long after now (to a trillionth), each stream free as long after
+    collectives pending, each ending as long after now and having run as long beside compute so far (what
+    its wait charges, ``HardwareProfile.comm_cpu_share``; to a trillionth), each stream free as long after
     now (0: free already)."""
     t, _, free, pending, rs_held, live = state
     if m.live != live or m.rs_held != rs_held or m.pending.keys() != pending.keys():
         return False
     tol = 1e-12 * max(t, m.t)
-    for key, (end, scratch) in m.pending.items():
-        other, other_scratch = pending[key]
+    for key, (start, end, scratch) in m.pending.items():
+        other_start, other, other_scratch = pending[key]
         if scratch != other_scratch or abs(max(0.0, end - m.t) - max(0.0, other - t)) > tol:
+            return False
+        if abs(max(0.0, min(end, m.t) - start) - max(0.0, min(other, t) - other_start)) > tol:
             return False
     for pg in m.free.keys() | free.keys():
         if abs(max(0.0, m.free.get(pg, 0.0) - m.t) - max(0.0, free.get(pg, 0.0) - t)) > tol:

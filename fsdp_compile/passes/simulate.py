@@ -7,7 +7,11 @@ Nodes run in program order. The rules:
   it is issued, its inputs are ready and its process group's stream has finished the previous collective,
   and runs for ``cost_model.collective_node_time``; different process groups run concurrently;
 * ``wait_tensor`` blocks the compute stream until its collective ends. The time it blocks is the
-  collective's *exposed* time; the rest of its duration overlapped compute (*hidden*);
+  collective's *exposed* time; the rest of its duration overlapped compute (*hidden*). Where the
+  collective's work runs on the compute stream's processor (gloo's threads on a CPU:
+  ``HardwareProfile.comm_cpu_share``), that share of the time it ran beside compute (from its start to
+  the earlier of its end and the wait) is charged to the compute stream at the wait, before it blocks:
+  hidden communication still slows compute, exposed communication costs its duration and no more;
 * the step ends when the compute stream and every communication stream are done.
 
 Example (``tests/test_passes_simulate.py``)::
@@ -76,7 +80,7 @@ def simulate(graph: fx.Graph | fx.GraphModule, cost_model: CostModel | HardwareP
 
 
 def schedule_of(ops: list[_program.Op], cm: CostModel) -> Simulation:
-    step, busy, timings = _program.run(ops, cm.profile.op_overhead)
+    step, busy, timings = _program.run(ops, cm.profile.op_overhead, cm.profile.comm_cpu_share)
     colls = []
     for ct in timings:
         info = ct.op.info
