@@ -11,6 +11,7 @@ peak-memory steps and CPU floor of compiled_vs_eager. Variants (each its own mod
   fc                ``fc.compile`` of the eager variant's structure (the default config)
   fc:one-bucket     the same with every module's gradients in one all-reduce (an explicit bucket plan of every
                     replicated module), issued after the backward as DDP's single bucket
+  fc:free-overlap   fc planned with cpu-gloo's comm_cpu_share at 0 (compiled_vs_eager's variant of that name)
   comm-only         fc's collectives alone (compiled_vs_eager's CommOnly): with compute-only, the CPU floor
 Graphs per variant, counted over its two warm-up steps: Dynamo's graphs and graph breaks (torch's counters) and,
 for DDP, DDPOptimizer's buckets (each one compiled subgraph; the splits are not Dynamo graph breaks but cut the
@@ -31,7 +32,7 @@ import _harness as H
 
 import fsdp_compile as fc
 
-REPLICATE_VARIANTS = ["eager", "ddp+torch.compile", "compute-only", "fc", "comm-only", "fc:one-bucket"]
+REPLICATE_VARIANTS = ["eager", "ddp+torch.compile", "compute-only", "fc", "comm-only", "fc:one-bucket", "fc:free-overlap"]
 
 
 def _blocks(model: torch.nn.Module, model_name: str) -> list[torch.nn.Module]:
@@ -86,7 +87,7 @@ def run_replicate(args, cve):
     class RVariant(cve.Variant):
         def __init__(self, name: str):
             model = cve.build(args.model, device, sharded=False)
-            if name in ("eager", "fc", "fc:one-bucket"):
+            if name in ("eager", "fc", "fc:one-bucket", "fc:free-overlap"):
                 model = replicated(model, args.model)
             self.model, self.precompute = model, None
             if name == "ddp+torch.compile":
@@ -96,6 +97,8 @@ def run_replicate(args, cve):
                 self.runner = model
             elif name == "fc":
                 self.runner = fc.compile(model, backend=args.backend)
+            elif name == "fc:free-overlap":
+                self.runner = fc.compile(model, backend=args.backend, hardware=cve.FREE_OVERLAP)
             elif name == "fc:one-bucket":  # every gradient in one all-reduce after the backward, as DDP's one bucket
                 self.runner = fc.compile(model, backend=args.backend, bucket=(replicated_fqns(model, args.model),))
             else:  # a frame of its own: Dynamo's cache would hand it the model's forward DDP's compile split

@@ -34,6 +34,9 @@ foreach), the same batches):
                     each collective where eager FSDP2 issues it (no prefetch, no deferred waits); beside fc, what
                     the overlap gains or costs (the in-graph AG/RS column says whether the buckets differ)
   fc:no-regions     the default without regions (every block compiled on its own)
+  fc:free-overlap   (CPU) the default planned with cpu-gloo's comm_cpu_share at 0, as the profile was before
+                    2026-11-30: communication hidden behind compute taken as free; beside fc, what pricing the
+                    cores gloo takes from compute changes in the plan and the step
   fc:no-reshard     the default on a model sharded with fully_shard(reshard_after_forward=False): the gathered
                     parameters kept from forward to backward, no re-gather, as the SimpleFSDP variant does (it is
                     compiled without graph_trainer's memory policy, which is what recomputes its all-gathers)
@@ -87,6 +90,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import sys
 import tempfile
@@ -109,6 +113,7 @@ import _harness as H  # noqa: E402
 import fsdp_compile as fc  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "tests"))
 from eager_calls import count_eager_collectives  # noqa: E402  (the tests' instrumentation)
+from fsdp_compile.passes.cost_model import CPU_GLOO  # noqa: E402
 from fsdp_compile.models import SIZES, Llama, LlamaArgs, gloo_float8_all_gather, llama_blocks, tensor_parallel  # noqa: E402
 from fsdp_compile.report import collective_bytes, count_collectives, with_region_bodies  # noqa: E402
 
@@ -268,10 +273,12 @@ def compile_simple_fsdp(model: torch.nn.Module, model_name: str, backend: str, r
 
 # The variants, in the order they run (each its own model; the module docstring says what each is)
 VARIANTS = ["eager", "torch.compile", "compute-only", "fc", "comm-only", "fc:cudagraphs", "fc:fsdp_group", "fc:no-reorder",
-            "fc:no-regions", "fc:no-reshard", "simplefsdp", "simplefsdp:reshard"]
+            "fc:no-regions", "fc:free-overlap", "fc:no-reshard", "simplefsdp", "simplefsdp:reshard"]
 FLOAT8_VARIANTS = ["eager", "eager:float8-ag", "torch.compile", "compute-only", "fc", "fc:no-regions", "fc:float8-ag"]
+FREE_OVERLAP = dataclasses.replace(CPU_GLOO, name="cpu-gloo:free-overlap", comm_cpu_share=0.0)
 FC_OVERRIDES = {"fc:fsdp_group": dict(bucket="fsdp_group", reorder=False), "fc:no-reorder": dict(reorder=False),
-                "fc:no-regions": dict(regions=False), "fc:cudagraphs": dict(cudagraphs=True)}
+                "fc:no-regions": dict(regions=False), "fc:cudagraphs": dict(cudagraphs=True),
+                "fc:free-overlap": dict(hardware=FREE_OVERLAP)}
 SHARD_WITH = {"compute-only": False, "simplefsdp": "simplefsdp", "simplefsdp:reshard": "simplefsdp:reshard",
               "fc:no-reshard": "no-reshard"}  # build()'s ``sharded``
 
@@ -642,6 +649,9 @@ def main():
     if "fc:cudagraphs" in names and device.type != "cuda":
         names.remove("fc:cudagraphs")
         skipped["fc:cudagraphs"] = "CUDA graphs: CUDA only"
+    if "fc:free-overlap" in names and device.type != "cpu":
+        names.remove("fc:free-overlap")
+        skipped["fc:free-overlap"] = "the cpu-gloo profile: CPU only"
     if "comm-only" in names and (args.tp > 1 or "fc" not in names):
         names.remove("comm-only")
         skipped["comm-only"] = "replays the fc variant's FSDP collectives: needs fc, and no --tp (TP's would count too)"

@@ -39,7 +39,7 @@ FAMILIES = [
     ("CPU: compiled vs eager step", "compiled_vs_eager_", "`bench/compiled_vs_eager.py` on CPU gloo ranks (one "
      "thread each, `fc.single_thread_gloo`): median step of timed steps in interleaved windows. Variants: `eager` "
      "(FSDP2), `torch.compile` (on the FSDP2 model), `fc` (defaults), `fc:fsdp_group` (one bucket per FSDP module), "
-     "`fc:no-reorder` (`reorder=False`: no prefetch or deferred waits), `fc:no-regions`, `fc:no-reshard` (`fully_shard(reshard_after_forward=False)`: no re-gather in backward, as the `simplefsdp` variant), `simplefsdp` (torchtitan 0.3.0's, with its transformer-block bucketing, when importable), `simplefsdp:reshard` "
+     "`fc:no-reorder` (`reorder=False`: no prefetch or deferred waits), `fc:no-regions`, `fc:free-overlap` (planned with the `cpu-gloo` profile's `comm_cpu_share` at 0, as the profile was before 2026-11-30: communication hidden behind compute taken as free; the `_contention_` runs), `fc:no-reshard` (`fully_shard(reshard_after_forward=False)`: no re-gather in backward, as the `simplefsdp` variant), `simplefsdp` (torchtitan 0.3.0's, with its transformer-block bucketing, when importable), `simplefsdp:reshard` "
      "(the same with its parameters resharded after forward and re-gathered in backward, like `fc`'s default: each "
      "all-gather recomputed under a selective checkpoint policy, as SimpleFSDP did before torchtitan 0.3.0; the "
      "like-for-like peer of `fc`, as `simplefsdp` is of `fc:no-reshard`). The `simplefsdp` rows of `hf-llama` runs "
@@ -223,7 +223,8 @@ def _command(name: str, d: dict) -> str:
         return ("command: not recorded; the file has the form `bench/gpu.sh` step 1 writes "
                 "(`python3 -m pytest -m cuda tests`, summarized from its JUnit XML)")
     if name.startswith("calibrate_cpu_gloo"):
-        return "command (not recorded; the script's only option is `--out`): `python3 bench/calibrate_cpu_gloo.py`"
+        mode = {"calibrate_cpu_gloo_all_reduce": " --all-reduce", "calibrate_cpu_gloo_contention": " --contention"}.get(stem, "")
+        return f"command (not recorded; rebuilt from the file's name): `python3 bench/calibrate_cpu_gloo.py{mode}`"
     return f"command: {NR}"
 
 
@@ -422,6 +423,11 @@ def gpu_tests(d: dict) -> list[str]:
 
 
 def calibrate(d: dict) -> list[str]:
+    if "rows" in d:  # --contention: a training step with a collective beside it
+        out = table(["collective", "bytes", "collective ms", "step ms", "step's delay ms", "delay / collective"],
+                    [[r["kind"], r["bytes"], num(r["collective_s"] * 1e3, ".2f"), num(r["compute_s"] * 1e3, ".1f"),
+                      num(r["delay_s"] * 1e3, ".2f"), num(r["delay_s"] / r["collective_s"], ".2f")] for r in d["rows"]])
+        return out + [f"Fit (least squares through 0): `comm_cpu_share` = {num(d['fit']['comm_cpu_share'], '.3f')}.", ""]
     c = d.get("constants", {})
     out = table(["constant", "value"], [[k, num(v, ".4g")] for k, v in c.items()])
     coll = d.get("collectives", {})
