@@ -15,6 +15,7 @@ import json
 import pytest
 import torch
 import torch.distributed as dist
+import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from dist_helpers import fake_process_group
@@ -30,6 +31,22 @@ def _trace(fn, *shapes):
     return make_fx(fn, tracing_mode="fake")(*[torch.empty(s) for s in shapes]).graph
 
 
+def _gather_beside_matmul(numel: int, waited_at_once: bool = False) -> fx.Graph:
+    """``ag1 (numel per rank) -> mm0 [1000, 1000]^2 -> wait ag1 -> mm1 (the gathered rows @ mm0)``; with
+    ``waited_at_once`` the wait comes right after ``ag1``."""
+    pg = dist.group.WORLD.group_name
+
+    def step(x, a):
+        ag1 = c10d.all_gather_into_tensor(x, 2, pg)
+        if waited_at_once:
+            ag1 = c10d.wait_tensor(ag1)
+        mm0 = torch.mm(a, a)
+        full = c10d.wait_tensor(ag1) if not waited_at_once else ag1
+        return torch.mm(full.view(2 * numel // 1000, 1000), mm0)
+
+    return _trace(step, (numel,), (1000, 1000))
+
+
 def test_all_gather_hidden_behind_matmul():
     """``ag1 -> mm0 (hides ag1) -> wait ag1 -> mm1``
 
@@ -37,14 +54,7 @@ def test_all_gather_hidden_behind_matmul():
     """
     with fake_process_group(2):
         pg = dist.group.WORLD.group_name
-
-        def step(x, a):
-            ag1 = c10d.all_gather_into_tensor(x, 2, pg)
-            mm0 = torch.mm(a, a)
-            full = c10d.wait_tensor(ag1)
-            return torch.mm(full.view(500, 1000), mm0)
-
-        g = _trace(step, (250_000,), (1000, 1000))
+        g = _gather_beside_matmul(250_000)
     s = simulate(g, CostModel(PROFILE))
     assert s.step_time == pytest.approx(4 * MS)
     assert s.compute_time == pytest.approx(3 * MS)
@@ -65,19 +75,7 @@ def test_communication_that_shares_the_compute_processor_slows_compute():
     import dataclasses
 
     with fake_process_group(2):
-        pg = dist.group.WORLD.group_name
-
-        def step(x, a):
-            ag1 = c10d.all_gather_into_tensor(x, 2, pg)
-            mm0 = torch.mm(a, a)
-            full = c10d.wait_tensor(ag1)
-            return torch.mm(full.view(250, 1000), mm0)
-
-        def exposed(x, a):
-            full = c10d.wait_tensor(c10d.all_gather_into_tensor(x, 2, pg))
-            return torch.mm(full.view(250, 1000), torch.mm(a, a))
-
-        g, g_exposed = _trace(step, (125_000,), (1000, 1000)), _trace(exposed, (125_000,), (1000, 1000))
+        g, g_exposed = _gather_beside_matmul(125_000), _gather_beside_matmul(125_000, waited_at_once=True)
     free, shared = CostModel(PROFILE), CostModel(dataclasses.replace(PROFILE, comm_cpu_share=0.5))
     assert simulate(g, free).step_time == pytest.approx(2.5 * MS)
     s = simulate(g, shared)
