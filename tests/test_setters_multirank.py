@@ -167,10 +167,10 @@ def test_replicate_accumulation(results):
     per_rank = scenario(results, "replicate-accumulation")
     for rank, r in enumerate(per_rank):
         # Not bitwise on 4 ranks: an all-reduce sums each element over the ranks in an order that its offset in the
-        # flat buffer sets (gloo's ring), and bucket="auto" lays the root's parameters out otherwise than FSDP2's
-        # per-group buffer ([norm, output] apart from the embedding). Measured on one machine: output.weight's
-        # gradient one fp32 ulp off (2.3e-10), the rest bitwise; bucket="fsdp_group", or 2 ranks (a sum of two
-        # commutes), are bitwise. The losses stay bitwise.
+        # flat buffer sets (gloo's ring), and bucket="auto" lays the parameters out otherwise than FSDP2's per-group
+        # buffers (on cpu-gloo, every module in one all-reduce; before its contention share, [norm, output] apart
+        # from the embedding, measured then: output.weight's gradient one fp32 ulp off, 2.3e-10, the rest bitwise);
+        # bucket="fsdp_group", or 2 ranks (a sum of two commutes), are bitwise. The losses stay bitwise.
         _bitwise(rank, r, atol=1e-8)
         assert all(r["no_grad_before_all_reduce"]), r
         backward = r["backward"]
