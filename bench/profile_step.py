@@ -40,6 +40,10 @@ launched it (``GPU_BUCKETS``): what the GPU spent the step on, and how long it s
 step's wall time less the union of its kernels' intervals), which is where the host's Python, launches
 and waits show. ``--trace-dir`` also writes each variant's profile as a Chrome trace (gzipped), for
 Perfetto or tlparse-like tools. Writes bench/results/profile_step_<model>.json (``--stem`` otherwise).
+
+``--replicate``: FSDP2's ``replicate`` per block and on the root (``bench/_replicate_bench.py``'s model), the
+variants ``fc``, ``fc:one-bucket`` (every module's gradients in one all-reduce), ``fc:free-overlap`` and
+``compute-only``.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
+import _replicate_bench as RB  # noqa: E402
 import compiled_vs_eager as CVE  # noqa: E402  (sets a cold Inductor cache dir unless --warm-cache)
 
 import torch  # noqa: E402
@@ -250,6 +255,25 @@ def fc_marks():
             setattr(owner, attr, fn)
 
 
+REPLICATE_VARIANTS = ["fc", "fc:one-bucket", "fc:free-overlap", "compute-only"]
+
+
+def replicate_variant(name: str, model_name: str, backend: str):
+    """``--replicate``: what turns the unsharded model into variant ``name``'s callable (``_replicate_bench``'s)."""
+    import fsdp_compile as fc
+
+    if name == "compute-only":
+        return CVE.make_variant(name, model_name, backend)
+
+    def make(model):
+        model = RB.replicated(model, model_name)
+        if name == "fc:one-bucket":
+            return fc.compile(model, backend=backend, bucket=(RB.replicated_fqns(model, model_name),))
+        return fc.compile(model, backend=backend, **CVE.FC_OVERRIDES.get(name, {}))
+
+    return make
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="hf-llama", choices=[*sorted(CVE.SIZES), *CVE.BENCH_SIZES, "hf-llama"])
@@ -263,6 +287,8 @@ def main():
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     ap.add_argument("--stem", default=None, help="results file name without extension (default profile_step_<model>)")
     ap.add_argument("--trace-dir", default=None, help="also write each variant's profile there as trace_<variant>.json.gz")
+    ap.add_argument("--replicate", action="store_true",
+                    help="FSDP2's replicate (variants fc, fc:one-bucket, fc:free-overlap, compute-only)")
     H.add_optimizer_arg(ap)
     args = ap.parse_args()
     if "RANK" not in os.environ:
@@ -275,9 +301,10 @@ def main():
     torch._inductor.config.profiler_mark_wrapper_call = True
     device, rank, world, say = H.init_ranks(timeout_s=900)
     vocab = CVE.HF_VOCAB if args.model == "hf-llama" else CVE.MODEL_SIZES[args.model].vocab
-    unknown = set(args.variants) - set(CVE.VARIANTS)
+    known = REPLICATE_VARIANTS if args.replicate else CVE.VARIANTS
+    unknown = set(args.variants) - set(known)
     if unknown:
-        ap.error(f"unknown variants {sorted(unknown)}; choose from {CVE.VARIANTS}")
+        ap.error(f"unknown variants {sorted(unknown)}; choose from {known}")
     skipped = {}
     if "simplefsdp" in args.variants and (why := CVE.simple_fsdp_missing()):
         skipped["simplefsdp"] = why
@@ -299,9 +326,11 @@ def main():
     for name in args.variants:
         if name in skipped:
             continue
-        make = CVE.make_variant(name, args.model, args.backend)
-        v = CVE.Variant(name, args.model, device, make, sharded=CVE.SHARD_WITH.get(name, True), mp=args.mp,
-                          optimizer=args.optimizer)
+        if args.replicate:
+            make, sharded = replicate_variant(name, args.model, args.backend), False
+        else:
+            make, sharded = CVE.make_variant(name, args.model, args.backend), CVE.SHARD_WITH.get(name, True)
+        v = CVE.Variant(name, args.model, device, make, sharded=sharded, mp=args.mp, optimizer=args.optimizer)
         with H.cold_compile(not args.warm_cache), H.compile_timing() as timing:
             first = run(v, 1)[0]
         phases = H.compile_phases(timing, first)
