@@ -401,8 +401,12 @@ def test_states_meet_only_up_to_a_shift_in_time():
     assert not _meets(kept, changed(kept, "pending", lambda p: {**p, _rs(0): (0.0, 0.0, 0)}))  # a wait not made here
     start, end, scratch = kept.pending[_rs(1)]
     assert not _meets(kept, changed(kept, "pending", lambda p: {**p, _rs(1): (start, end - 0.5, scratch)}))  # ends earlier
-    # started earlier, ending as long after now: it has run longer beside compute, which its wait charges
-    assert not _meets(kept, changed(kept, "pending", lambda p: {**p, _rs(1): (start - 0.5, end, scratch)}))
+    # started earlier, ending as long after now: it has run longer beside compute, which its wait charges where the
+    # profile has a comm_cpu_share (and nothing where it has none)
+    earlier = changed(kept, "pending", lambda p: {**p, _rs(1): (start - 0.5, end, scratch)})
+    assert _meets(kept, earlier)
+    kept.comm_share = 0.5
+    assert not _meets(kept, earlier)
     assert _meets(kept, changed(kept, "pending", lambda p: {**p, _rs(1): (start, end + 1e-15, scratch)}))  # to a trillionth
 
 

@@ -145,9 +145,9 @@ class _Direction:
 
 def _meets(m: _Machine, state: tuple) -> bool:
     """Whether ``m`` is in ``state`` up to a shift in time: the same bytes live and buffers held, the same
-    collectives pending, each ending as long after now and having run as long beside compute so far (what
-    its wait charges, ``HardwareProfile.comm_cpu_share``; to a trillionth), each stream free as long after
-    now (0: free already)."""
+    collectives pending, each ending as long after now and (where the profile charges it at the wait,
+    ``HardwareProfile.comm_cpu_share``) having run as long beside compute so far (to a trillionth), each
+    stream free as long after now (0: free already)."""
     t, _, free, pending, rs_held, live = state
     if m.live != live or m.rs_held != rs_held or m.pending.keys() != pending.keys():
         return False
@@ -156,7 +156,7 @@ def _meets(m: _Machine, state: tuple) -> bool:
         other_start, other, other_scratch = pending[key]
         if scratch != other_scratch or abs(max(0.0, end - m.t) - max(0.0, other - t)) > tol:
             return False
-        if abs(max(0.0, min(end, m.t) - start) - max(0.0, min(other, t) - other_start)) > tol:
+        if m.comm_share and abs(max(0.0, min(end, m.t) - start) - max(0.0, min(other, t) - other_start)) > tol:
             return False
     for pg in m.free.keys() | free.keys():
         if abs(max(0.0, m.free.get(pg, 0.0) - m.t) - max(0.0, free.get(pg, 0.0) - t)) > tol:
