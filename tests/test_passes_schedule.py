@@ -197,8 +197,8 @@ def test_split_judged_as_the_search_plans_it():
     agrees, so auto is never predicted slower than its unmerged split.
 
     Judged with communication hidden behind compute as free (cpu-gloo's ``comm_cpu_share`` at 0, as the profile
-    was before 2026-11-30). With the calibrated share, every collective costs the cores 0.69 of its duration
-    hidden or not, and the split's extra collective no longer pays: the root stays whole."""
+    was before 2026-11-30). With the calibrated share, a collective costs compute 0.69 of the time it runs beside
+    it, and the split's extra collective no longer pays: the root stays whole."""
     from fsdp_compile.models import SIZES
     from fsdp_compile.passes import planner
     from fsdp_compile.passes.cost_model import CPU_GLOO
