@@ -22,7 +22,7 @@ from fsdp_compile._torch._gloo import warn_if_racy_gloo
 from fsdp_compile.backend import CapturedGraphs, make_backend
 from fsdp_compile.config import CompileConfig
 from fsdp_compile.debug.dump import make_dump_dir
-from fsdp_compile.passes import CostModel, HardwareProfile, Schedule, modules_of, plan_schedule, resolve_hardware
+from fsdp_compile.passes import CostModel, Schedule, modules_of, plan_schedule, resolve_hardware
 from fsdp_compile.passes.planner import check_bucket_plan
 from fsdp_compile.plan import ShardingPlan, check_ranks_agree, param_groups, read_plan, settings_key
 from fsdp_compile.report import region_summary
@@ -61,10 +61,9 @@ class CompiledFSDPModule(nn.Module):
         self.config = config
         self.captured = CapturedGraphs()
         self.kernels = _resolve_kernels(config.kernels, plan)
-        hardware = config.hardware
-        if not isinstance(hardware, HardwareProfile):
-            hardware = resolve_hardware(hardware, device_type=plan.device.type, world_size=max(g.world_size for g in plan.groups))
-        self.cost_model = CostModel(hardware)
+        self.cost_model = CostModel(resolve_hardware(
+            config.hardware, device_type=plan.device.type, world_size=max(g.world_size for g in plan.groups)
+        ))
         self.schedule: Schedule | None = None  # planned at the first call (it needs the agreed workload)
         self._codegen = codegen
         self._stages = stages  # keep each graph's readable stages in its PassRecord (explain's dumps)

@@ -73,6 +73,7 @@ def test_resolve_hardware():
     assert C.resolve_hardware("auto", device_type="cuda", world_size=8) == "h100-nvlink"
     assert C.resolve_hardware("auto", device_type="cuda", world_size=16) == "h100-ib"
     assert C.resolve_hardware("h100-ib", device_type="cpu", world_size=2) == "h100-ib"
+    assert C.resolve_hardware(C.H100_IB, device_type="cpu", world_size=2) is C.H100_IB  # a profile of your own
     with pytest.raises(ValueError, match="'a100'"):
         C.resolve_hardware("a100", device_type="cuda", world_size=2)
 

@@ -198,11 +198,14 @@ def get_profile(name: str) -> HardwareProfile:
         raise ValueError(f"unknown hardware profile {name!r}; known: {sorted(PROFILES)} or 'auto'") from None
 
 
-def resolve_hardware(hardware: str, *, device_type: str, world_size: int) -> str:
-    """``"auto"`` -> ``cpu-gloo`` on CPU, ``h100-nvlink`` on CUDA with <= 8 ranks, else ``h100-ib``.
+def resolve_hardware(hardware: str | HardwareProfile, *, device_type: str, world_size: int) -> str | HardwareProfile:
+    """``"auto"`` -> ``cpu-gloo`` on CPU, ``h100-nvlink`` on CUDA with <= 8 ranks, else ``h100-ib``; a name is
+    checked, a ``HardwareProfile`` (``CompileConfig.hardware`` of your own) returned as it is.
 
     Decided from the graph's device and collective sizes only (no driver query), so every rank agrees.
     """
+    if isinstance(hardware, HardwareProfile):
+        return hardware
     if hardware != "auto":
         get_profile(hardware)
         return hardware
@@ -409,7 +412,4 @@ def cost_model_for(hardware: str | HardwareProfile | CostModel, graph: fx.Graph)
     """The cost model for ``CompileConfig.hardware`` (``"auto"`` resolved from ``graph``)."""
     if isinstance(hardware, CostModel):
         return hardware
-    if isinstance(hardware, HardwareProfile):
-        return CostModel(hardware)
-    name = resolve_hardware(hardware, device_type=graph_device_type(graph), world_size=graph_world_size(graph))
-    return CostModel(name)
+    return CostModel(resolve_hardware(hardware, device_type=graph_device_type(graph), world_size=graph_world_size(graph)))
