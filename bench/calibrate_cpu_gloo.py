@@ -203,12 +203,17 @@ def _contention_worker(rank: int, store_path: str, out_path: str) -> None:
         dist.destroy_process_group()
 
 
-def contention_main(out_path: str) -> None:
+def _spawned(worker, *args):
+    """Run ``worker(rank, store_path, out_path, *args)`` on ``W`` spawned ranks; what rank 0 wrote to ``out_path``."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out.json")
-        mp.spawn(_contention_worker, args=(os.path.join(tmp, "store"), out), nprocs=W, join=True)
+        mp.spawn(worker, args=(os.path.join(tmp, "store"), out, *args), nprocs=W, join=True)
         with open(out) as f:
-            rows = json.load(f)
+            return json.load(f)
+
+
+def contention_main(out_path: str) -> None:
+    rows = _spawned(_contention_worker)
     print(f"cpu-gloo contention, {datetime.date.today()}, {W} gloo ranks on 127.0.0.1, 1 thread per rank")
     for r in rows:
         print(f"  {r['kind']:>15} {r['bytes'] >> 10:>6} KiB: collective {r['collective_s'] * 1e3:6.2f} ms, compute beside it "
@@ -236,11 +241,7 @@ def fit(rows: list[tuple[int, float]], world_size: int = W, passes: int = 1) -> 
 
 
 def all_reduce_main(out_path: str) -> None:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "out.json")
-        mp.spawn(_worker, args=(os.path.join(tmp, "store"), out, ("all_reduce",), False), nprocs=W, join=True)
-        with open(out) as f:
-            rows = json.load(f)["collectives"]["all_reduce"]
+    rows = _spawned(_worker, ("all_reduce",), False)["collectives"]["all_reduce"]
     print(f"cpu-gloo all-reduce, {datetime.date.today()}, {W} gloo ranks on 127.0.0.1, 1 thread per rank")
     for nbytes, t in rows:
         print(f"    {nbytes / 1024:>8.0f} KiB  {t * 1e6:>10.1f} us  ({2 * nbytes * (W - 1) / W / t / 1e9:.2f} GB/s bus)")
@@ -256,8 +257,9 @@ def all_reduce_main(out_path: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--out", default=os.path.join(os.path.dirname(__file__), "results", "calibrate_cpu_gloo.json"),
-        help="where to write the measurements, the fit and the constants (default: the file CPU_GLOO cites)",
+        "--out", default=None,
+        help="where to write the measurements, the fit and the constants (default: the file CPU_GLOO cites, "
+             "results/calibrate_cpu_gloo[_all_reduce|_contention].json by the mode)",
     )
     parser.add_argument("--all-reduce", action="store_true",
                         help="measure gloo's all-reduce alone (default --out: results/calibrate_cpu_gloo_all_reduce.json)")
@@ -265,19 +267,15 @@ def main() -> None:
                         help="measure what collectives take from compute beside them (default --out: "
                              "results/calibrate_cpu_gloo_contention.json)")
     args = parser.parse_args()
+    mode = "_contention" if args.contention else "_all_reduce" if args.all_reduce else ""
+    out_path = args.out or os.path.join(os.path.dirname(__file__), "results", f"calibrate_cpu_gloo{mode}.json")
     if args.contention:
-        contention_main(args.out if args.out != parser.get_default("out")
-                        else os.path.join(os.path.dirname(__file__), "results", "calibrate_cpu_gloo_contention.json"))
+        contention_main(out_path)
         return
     if args.all_reduce:
-        all_reduce_main(args.out if args.out != parser.get_default("out")
-                        else os.path.join(os.path.dirname(__file__), "results", "calibrate_cpu_gloo_all_reduce.json"))
+        all_reduce_main(out_path)
         return
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "out.json")
-        mp.spawn(_worker, args=(os.path.join(tmp, "store"), out), nprocs=W, join=True)
-        with open(out) as f:
-            res = json.load(f)
+    res = _spawned(_worker)
     print(f"cpu-gloo calibration, {datetime.date.today()}, {W} gloo ranks on 127.0.0.1, 1 thread per rank")
     fits = {}
     for kind, rows in res["collectives"].items():
@@ -304,8 +302,8 @@ def main() -> None:
     print(f"  op_overhead={res['op_overhead'] * 1e6:.2f} * US,")
     print(f"  view_overhead={res['view_overhead'] * 1e6:.2f} * US,")
     print(f"  intra=LinkProfile(bus_bw={bw / 1e9:.3f} * GB, step_latency={step * 1e6:.1f} * US, base_latency=0.0),")
-    H.write_json(args.out, {"machine": H.machine(), **res, "fit": fits, "constants": constants})
-    print(f"wrote {args.out}")
+    H.write_json(out_path, {"machine": H.machine(), **res, "fit": fits, "constants": constants})
+    print(f"wrote {out_path}")
 
 
 if __name__ == "__main__":
