@@ -56,6 +56,14 @@ def replicated_fqns(model: torch.nn.Module, model_name: str) -> tuple[str, ...]:
     return (*(names[b] for b in _blocks(model, model_name)), "")
 
 
+def compile_replicated(name: str, model: torch.nn.Module, model_name: str, backend: str, cve):
+    """Variant ``name``'s fc compile of ``model`` (already ``replicated``): ``fc``, ``fc:one-bucket`` (every
+    replicated module in one bucket), or another of compiled_vs_eager's fc variants (``cve.FC_OVERRIDES``)."""
+    if name == "fc:one-bucket":  # every gradient in one all-reduce after the backward, as DDP's one bucket
+        return fc.compile(model, backend=backend, bucket=(replicated_fqns(model, model_name),))
+    return fc.compile(model, backend=backend, **cve.FC_OVERRIDES.get(name, {}))
+
+
 def ddp_optimizer_buckets():
     """Counts DDPOptimizer's buckets: it prints them (``pretty_print_buckets``) once per graph it splits."""
     import torch._dynamo.backends.distributed as ddp_backend
@@ -87,7 +95,7 @@ def run_replicate(args, cve):
     class RVariant(cve.Variant):
         def __init__(self, name: str):
             model = cve.build(args.model, device, sharded=False)
-            if name in ("eager", "fc", "fc:one-bucket", "fc:free-overlap"):
+            if name == "eager" or name.startswith("fc"):
                 model = replicated(model, args.model)
             self.model, self.precompute = model, None
             if name == "ddp+torch.compile":
@@ -95,12 +103,8 @@ def run_replicate(args, cve):
                 self.runner = torch.compile(self.ddp, backend=args.backend)
             elif name == "eager":
                 self.runner = model
-            elif name == "fc":
-                self.runner = fc.compile(model, backend=args.backend)
-            elif name == "fc:free-overlap":
-                self.runner = fc.compile(model, backend=args.backend, hardware=cve.FREE_OVERLAP)
-            elif name == "fc:one-bucket":  # every gradient in one all-reduce after the backward, as DDP's one bucket
-                self.runner = fc.compile(model, backend=args.backend, bucket=(replicated_fqns(model, args.model),))
+            elif name.startswith("fc"):
+                self.runner = compile_replicated(name, model, args.model, args.backend, cve)
             else:  # a frame of its own: Dynamo's cache would hand it the model's forward DDP's compile split
                 self.runner = torch.compile(lambda tokens: model(tokens), backend=args.backend)
             self.opt = H.adamw(model.parameters(), 3e-3, args.optimizer)

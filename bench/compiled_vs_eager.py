@@ -90,7 +90,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import os
 import sys
 import tempfile
@@ -113,7 +112,7 @@ import _harness as H  # noqa: E402
 import fsdp_compile as fc  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "tests"))
 from eager_calls import count_eager_collectives  # noqa: E402  (the tests' instrumentation)
-from fsdp_compile.passes.cost_model import CPU_GLOO  # noqa: E402
+from parity import FREE_OVERLAP  # noqa: E402  (cpu-gloo with its contention share at 0: fc:free-overlap)
 from fsdp_compile.models import SIZES, Llama, LlamaArgs, gloo_float8_all_gather, llama_blocks, tensor_parallel  # noqa: E402
 from fsdp_compile.report import collective_bytes, count_collectives, with_region_bodies  # noqa: E402
 
@@ -275,7 +274,6 @@ def compile_simple_fsdp(model: torch.nn.Module, model_name: str, backend: str, r
 VARIANTS = ["eager", "torch.compile", "compute-only", "fc", "comm-only", "fc:cudagraphs", "fc:fsdp_group", "fc:no-reorder",
             "fc:no-regions", "fc:free-overlap", "fc:no-reshard", "simplefsdp", "simplefsdp:reshard"]
 FLOAT8_VARIANTS = ["eager", "eager:float8-ag", "torch.compile", "compute-only", "fc", "fc:no-regions", "fc:float8-ag"]
-FREE_OVERLAP = dataclasses.replace(CPU_GLOO, name="cpu-gloo:free-overlap", comm_cpu_share=0.0)
 FC_OVERRIDES = {"fc:fsdp_group": dict(bucket="fsdp_group", reorder=False), "fc:no-reorder": dict(reorder=False),
                 "fc:no-regions": dict(regions=False), "fc:cudagraphs": dict(cudagraphs=True),
                 "fc:free-overlap": dict(hardware=FREE_OVERLAP)}

@@ -260,18 +260,9 @@ REPLICATE_VARIANTS = ["fc", "fc:one-bucket", "fc:free-overlap", "compute-only"]
 
 def replicate_variant(name: str, model_name: str, backend: str):
     """``--replicate``: what turns the unsharded model into variant ``name``'s callable (``_replicate_bench``'s)."""
-    import fsdp_compile as fc
-
     if name == "compute-only":
         return CVE.make_variant(name, model_name, backend)
-
-    def make(model):
-        model = RB.replicated(model, model_name)
-        if name == "fc:one-bucket":
-            return fc.compile(model, backend=backend, bucket=(RB.replicated_fqns(model, model_name),))
-        return fc.compile(model, backend=backend, **CVE.FC_OVERRIDES.get(name, {}))
-
-    return make
+    return lambda model: RB.compile_replicated(name, RB.replicated(model, model_name), model_name, backend, CVE)
 
 
 def main():

@@ -201,10 +201,10 @@ def test_split_judged_as_the_search_plans_it():
     it, and the split's extra collective no longer pays: the root stays whole."""
     from fsdp_compile.models import SIZES
     from fsdp_compile.passes import planner
-    from fsdp_compile.passes.cost_model import CPU_GLOO
+    from parity import FREE_OVERLAP
 
-    mods, cm = _llama_modules(2, args=SIZES["small"]), CostModel(dataclasses.replace(CPU_GLOO, comm_cpu_share=0.0))
-    calibrated = plan_schedule(mods, policy="auto", reorder=True, cost_model=CostModel(CPU_GLOO), workload=252)
+    mods, cm = _llama_modules(2, args=SIZES["small"]), CostModel(FREE_OVERLAP)
+    calibrated = plan_schedule(mods, policy="auto", reorder=True, cost_model=CostModel("cpu-gloo"), workload=252)
     assert [u.params for u in calibrated.units] == [None] * 5 and "unsplit" not in calibrated.predicted
     assert sum(steps(calibrated.predicted["planned"])[0::2]) < sum(steps(calibrated.predicted["eager_fsdp2"])[0::2])
     s = plan_schedule(mods, policy="auto", reorder=True, cost_model=cm, workload=252)
