@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-pytestmark = [pytest.mark.inductor, pytest.mark.multirank]  # two processes per job: real gloo ranks
+pytestmark = pytest.mark.inductor
 
 SCRIPT = r"""
 import json, sys, torch, torch.distributed as dist
@@ -105,6 +105,7 @@ def _served(run: dict) -> None:
     assert run["aot"].get("autograd_cache_hit", 0) >= 1, run
 
 
+@pytest.mark.multirank  # two processes per job: real gloo ranks
 def test_restarts_and_other_ranks_are_served(tmp_path):
     """Rank 0 restarting on its own cache directory is served by it; rank 1, on an empty one, by rank 0's
     artifacts (no rank in any graph: compile once, ship to every rank); both train as before."""
@@ -135,22 +136,22 @@ import fsdp_compile as fc
 from fsdp_compile.models import Llama, LlamaArgs, tensor_parallel
 from torch.distributed.fsdp import fully_shard
 
-kind, store = sys.argv[1], sys.argv[2]
+store = sys.argv[1]
 dist.init_process_group("gloo", init_method="file://" + store, rank=0, world_size=1)
 torch.manual_seed(0)
 model = Llama(LlamaArgs(vocab=256, dim=64, n_layers=2, n_heads=4, ffn_dim=128, max_seq=64))
-mesh = {}
-if kind == "float8":  # torchao's float8 Linears (emulated) with FSDP2's float8 all-gather: torchao's autograd Functions
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+# torchao's float8 Linears (emulated) with FSDP2's float8 all-gather: torchao's autograd Functions; and its float8
+# TP plan on a 1 x 1 mesh: DeviceMesh inputs, the region boundary's DTensor crossings
+from torch.distributed.device_mesh import init_device_mesh
+from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+from fsdp_compile.models import gloo_float8_all_gather
 
-    config = Float8LinearConfig(enable_fsdp_float8_all_gather=True, emulate=True)
-    convert_to_float8_training(model, config=config, module_filter_fn=lambda _, fqn: fqn != "output")
-else:  # tensor parallelism on a 1 x 1 mesh: DeviceMesh inputs, the region boundary's DTensor crossings
-    from torch.distributed.device_mesh import init_device_mesh
-
-    dp_tp = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
-    tensor_parallel(model, dp_tp["tp"])
-    mesh = {"mesh": dp_tp["dp"]}
+config = Float8LinearConfig(enable_fsdp_float8_all_gather=True, emulate=True)
+convert_to_float8_training(model, config=config, module_filter_fn=lambda _, fqn: fqn != "output")
+dp_tp = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+tensor_parallel(model, dp_tp["tp"], float8=True)
+gloo_float8_all_gather()
+mesh = {"mesh": dp_tp["dp"]}
 for block in model.layers:
     fully_shard(block, **mesh)
 fully_shard(model, **mesh)
@@ -166,20 +167,20 @@ print("RESULT " + json.dumps({"aot": {k: v for k, v in counters["aot_autograd"].
 """
 
 
-@pytest.mark.parametrize("kind", ["tp", "float8"])
-def test_restarts_of_graphs_with_autograd_functions_and_meshes_are_served(tmp_path, kind):
+def test_restarts_of_graphs_with_autograd_functions_and_meshes_are_served(tmp_path):
     """AOTAutograd's cache serves the warm restart of a graph that calls autograd Functions (torchao's float8
     matmul; the region boundary's DTensor crossings) and takes DeviceMeshes (TP): torch 2.13 cannot key either
-    (``_torch/_aot_cache.py``), so such restarts traced and partitioned the step again. One rank (gloo, world
-    size 1: real numbers), Inductor; the restart computes what the cold run computed, bit for bit."""
-    if kind == "float8":
-        pytest.importorskip("torchao.float8", reason="torchao (the test extra) is not installed")
+    (``_torch/_aot_cache.py``), so such restarts traced and partitioned the step again. One model holds all
+    three (float8 x TP on a 1 x 1 mesh). One process (gloo, world size 1: real numbers), so not ``multirank``:
+    it runs beside the rank groups, not after them. Inductor; the restart computes what the cold run computed,
+    bit for bit."""
+    pytest.importorskip("torchao.float8", reason="torchao (the test extra) is not installed")
     script = tmp_path / "one_rank.py"
     script.write_text(ONE_RANK)
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache"), "TORCHINDUCTOR_COMPILE_THREADS": "1"}
     runs = []
     for job in ("cold", "warm"):
-        p = subprocess.run([sys.executable, str(script), kind, str(tmp_path / f"store_{job}")], env=env,
+        p = subprocess.run([sys.executable, str(script), str(tmp_path / f"store_{job}")], env=env,
                            capture_output=True, text=True, timeout=600)
         assert p.returncode == 0, p.stderr[-3000:]
         runs.append(json.loads(next(x for x in p.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT "):]))
