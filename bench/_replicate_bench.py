@@ -12,6 +12,8 @@ peak-memory steps and CPU floor of compiled_vs_eager. Variants (each its own mod
   fc:one-bucket     the same with every module's gradients in one all-reduce (an explicit bucket plan of every
                     replicated module), issued after the backward as DDP's single bucket
   fc:free-overlap   fc planned with cpu-gloo's comm_cpu_share at 0 (compiled_vs_eager's variant of that name)
+  fc:fsdp_group     one all-reduce per replicated module, each waited at once (not reordered): no overlap
+  fc:no-reorder     fc's default buckets, each waited at once (not reordered)
   comm-only         fc's collectives alone (compiled_vs_eager's CommOnly): with compute-only, the CPU floor
 Graphs per variant, counted over its two warm-up steps: Dynamo's graphs and graph breaks (torch's counters) and,
 for DDP, DDPOptimizer's buckets (each one compiled subgraph; the splits are not Dynamo graph breaks but cut the
@@ -32,7 +34,8 @@ import _harness as H
 
 import fsdp_compile as fc
 
-REPLICATE_VARIANTS = ["eager", "ddp+torch.compile", "compute-only", "fc", "comm-only", "fc:one-bucket", "fc:free-overlap"]
+REPLICATE_VARIANTS = ["eager", "ddp+torch.compile", "compute-only", "fc", "comm-only", "fc:one-bucket", "fc:free-overlap",
+                      "fc:fsdp_group", "fc:no-reorder"]
 
 
 def _blocks(model: torch.nn.Module, model_name: str) -> list[torch.nn.Module]:
@@ -110,6 +113,7 @@ def run_replicate(args, cve):
             self.opt = H.adamw(model.parameters(), 3e-3, args.optimizer)
             self._records(name, args.model)
 
+    cve.check_variants(args.variants, REPLICATE_VARIANTS, "--replicate")
     names = [n for n in REPLICATE_VARIANTS if n == "eager" or not args.variants or n in args.variants]
     if "comm-only" in names and "fc" not in names:
         names.remove("comm-only")

@@ -281,6 +281,13 @@ SHARD_WITH = {"compute-only": False, "simplefsdp": "simplefsdp", "simplefsdp:res
               "fc:no-reshard": "no-reshard"}  # build()'s ``sharded``
 
 
+def check_variants(asked, known, mode: str) -> None:
+    """``--variants`` names only variants of this run's mode (a misspelt or other mode's name is not dropped unsaid)."""
+    unknown = [v for v in asked or () if v not in known]
+    if unknown:
+        raise SystemExit(f"--variants {' '.join(unknown)}: not a variant of {mode}; its variants: {' '.join(known)}")
+
+
 def make_variant(name: str, model_name: str, backend: str):
     """What turns the model ``build`` made for variant ``name`` into the callable it trains."""
     if name.startswith("eager"):
@@ -619,8 +626,9 @@ def main():
     if args.seq is None:
         args.seq = {"hf-llama": 128, "llama-1b": 2048}.get(args.model, 64)
     if args.pp > 1:
-        from _pipeline_bench import run_pipeline
+        from _pipeline_bench import PP_VARIANTS, run_pipeline
 
+        check_variants(args.variants, PP_VARIANTS, "--pp")
         return run_pipeline(args, MODEL_SIZES[args.model], MP[args.mp], batch, BytesByDim, graph_bytes_per_dim)
     if args.replicate:
         from _replicate_bench import run_replicate
@@ -632,6 +640,7 @@ def main():
         gloo_float8_all_gather()
 
     names = FLOAT8_VARIANTS if args.float8 else VARIANTS
+    check_variants(args.variants, names, "--float8" if args.float8 else "this run")
     # per variant with --float8: whether its float8 weights are all-gathered as float8
     float8_ag = {name: name.endswith(":float8-ag") for name in names} if args.float8 else {}
     names = [n for n in names if n == "eager" or not args.variants or n in args.variants]
