@@ -30,6 +30,12 @@ matmuls and fused kernels), alone, and the same step right after issuing a colle
 the step, alternating, 15 pairs per kind and size (1 .. 16 MiB); the delay is the paired difference, and
 the share the least-squares slope of the median delays on the collective's own duration (measured in the
 same rounds, nothing beside it). Writes ``calibrate_cpu_gloo_contention.json``; takes about a minute.
+
+``--sync`` measures what a wait costs where both ranks compute between collectives (not in the profile: a
+lead of issue 51): on both ranks the same compute (``SYNC_MATMULS`` 256 x 256 matmuls, about 60 ms) cut into
+k = 1, 4 or 16 segments, an all-reduce waited at once after each, against the same compute without one;
+per size (4 B .. 4 MiB) the marginal cost of a wait, ``(T(16) - T(4)) / 12``, beside the all-reduce's own
+time with nothing beside it. Writes ``calibrate_cpu_gloo_sync.json``; takes about a minute.
 """
 
 from __future__ import annotations
@@ -203,6 +209,61 @@ def _contention_worker(rank: int, store_path: str, out_path: str) -> None:
         dist.destroy_process_group()
 
 
+SYNC_MATMULS = 256
+
+
+def _sync_worker(rank: int, store_path: str, out_path: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, W), rank=rank, world_size=W)
+    c10d = torch.ops._c10d_functional
+    group_name = dist.group.WORLD.group_name
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+
+    def step(x, k: int) -> None:  # the same matmuls, a wait after each of k segments (k = 0: no collective)
+        for _ in range(max(k, 1)):
+            for _ in range(SYNC_MATMULS // max(k, 1)):
+                torch.mm(a, b)
+            if k:
+                c10d.wait_tensor(c10d.all_reduce_(x, "sum", group_name))
+
+    def timed(fn) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    rows = []
+    try:
+        for nbytes in (4, 256 << 10, 1 << 20, 4 << 20):
+            x = torch.zeros(nbytes // 4)
+            for k in (0, 1, 4, 16):
+                step(x, k)  # warm
+            times = {k: [] for k in (0, 1, 4, 16)}
+            for _ in range(9):  # rounds, each k once, alternating
+                for k in times:
+                    times[k].append(timed(lambda: step(x, k)))
+            alone = [timed(lambda: c10d.wait_tensor(c10d.all_reduce_(x, "sum", group_name))) for _ in range(30)]
+            t = {k: _agreed(statistics.median(v)) for k, v in times.items()}
+            rows.append({"bytes": nbytes, "step_s": {str(k): v for k, v in t.items()}, "alone_s": _agreed(statistics.median(alone)),
+                         "per_wait_s": (t[16] - t[4]) / 12})
+        if rank == 0:
+            with open(out_path, "w") as f:
+                json.dump(rows, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def sync_main(out_path: str) -> None:
+    rows = _spawned(_sync_worker)
+    print(f"cpu-gloo waits beside compute, {datetime.date.today()}, {W} gloo ranks on 127.0.0.1, 1 thread per rank")
+    for r in rows:
+        steps = ", ".join(f"k={k}: {v * 1e3:.1f}" for k, v in r["step_s"].items())
+        print(f"  {r['bytes'] >> 10:>6} KiB all-reduce: step ms {steps}; a wait costs {r['per_wait_s'] * 1e3:.2f} ms, "
+              f"the all-reduce alone {r['alone_s'] * 1e3:.2f} ms")
+    H.write_json(out_path, {"machine": H.machine(), "matmuls": SYNC_MATMULS, "rows": rows})
+    print(f"wrote {out_path}")
+
+
 def _spawned(worker, *args):
     """Run ``worker(rank, store_path, out_path, *args)`` on ``W`` spawned ranks; what rank 0 wrote to ``out_path``."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -259,18 +320,23 @@ def main() -> None:
     parser.add_argument(
         "--out", default=None,
         help="where to write the measurements, the fit and the constants (default: the file CPU_GLOO cites, "
-             "results/calibrate_cpu_gloo[_all_reduce|_contention].json by the mode)",
+             "results/calibrate_cpu_gloo[_all_reduce|_contention|_sync].json by the mode)",
     )
     parser.add_argument("--all-reduce", action="store_true",
                         help="measure gloo's all-reduce alone (default --out: results/calibrate_cpu_gloo_all_reduce.json)")
     parser.add_argument("--contention", action="store_true",
                         help="measure what collectives take from compute beside them (default --out: "
                              "results/calibrate_cpu_gloo_contention.json)")
+    parser.add_argument("--sync", action="store_true",
+                        help="measure what a wait costs between compute segments (default --out: results/calibrate_cpu_gloo_sync.json)")
     args = parser.parse_args()
-    mode = "_contention" if args.contention else "_all_reduce" if args.all_reduce else ""
+    mode = "_contention" if args.contention else "_all_reduce" if args.all_reduce else "_sync" if args.sync else ""
     out_path = args.out or os.path.join(os.path.dirname(__file__), "results", f"calibrate_cpu_gloo{mode}.json")
     if args.contention:
         contention_main(out_path)
+        return
+    if args.sync:
+        sync_main(out_path)
         return
     if args.all_reduce:
         all_reduce_main(out_path)

@@ -223,7 +223,8 @@ def _command(name: str, d: dict) -> str:
         return ("command: not recorded; the file has the form `bench/gpu.sh` step 1 writes "
                 "(`python3 -m pytest -m cuda tests`, summarized from its JUnit XML)")
     if name.startswith("calibrate_cpu_gloo"):
-        mode = {"calibrate_cpu_gloo_all_reduce": " --all-reduce", "calibrate_cpu_gloo_contention": " --contention"}.get(stem, "")
+        mode = {"calibrate_cpu_gloo_all_reduce": " --all-reduce", "calibrate_cpu_gloo_contention": " --contention",
+                "calibrate_cpu_gloo_sync": " --sync"}.get(stem, "")
         return f"command (not recorded; rebuilt from the file's name): `python3 bench/calibrate_cpu_gloo.py{mode}`"
     return f"command: {NR}"
 
@@ -423,6 +424,13 @@ def gpu_tests(d: dict) -> list[str]:
 
 
 def calibrate(d: dict) -> list[str]:
+    if "matmuls" in d:  # --sync: the same compute cut by k waits
+        ks = list(d["rows"][0]["step_s"])
+        out = table(["all-reduce bytes", *(f"step ms, {k} waits" for k in ks), "ms per wait (16 against 4)", "all-reduce alone ms"],
+                    [[r["bytes"], *(num(r["step_s"][k] * 1e3, ".1f") for k in ks), num(r["per_wait_s"] * 1e3, ".2f"),
+                      num(r["alone_s"] * 1e3, ".2f")] for r in d["rows"]])
+        return out + [f"The compute: {d['matmuls']} matmuls of 256 x 256 on each rank, cut into k segments with an all-reduce waited at "
+                      "once after each. Not in the `cpu-gloo` profile.", ""]
     if "rows" in d:  # --contention: a training step with a collective beside it
         out = table(["collective", "bytes", "collective ms", "step ms", "step's delay ms", "delay / collective"],
                     [[r["kind"], r["bytes"], num(r["collective_s"] * 1e3, ".2f"), num(r["compute_s"] * 1e3, ".1f"),
