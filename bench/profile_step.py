@@ -41,9 +41,9 @@ step's wall time less the union of its kernels' intervals), which is where the h
 and waits show. ``--trace-dir`` also writes each variant's profile as a Chrome trace (gzipped), for
 Perfetto or tlparse-like tools. Writes bench/results/profile_step_<model>.json (``--stem`` otherwise).
 
-``--replicate``: FSDP2's ``replicate`` per block and on the root (``bench/_replicate_bench.py``'s model), the
-variants ``fc``, ``fc:one-bucket`` (every module's gradients in one all-reduce), ``fc:free-overlap`` and
-``compute-only``.
+``--replicate``: FSDP2's ``replicate`` per block and on the root (``bench/_replicate_bench.py``'s model), that
+bench's fc variants (``fc``, ``fc:one-bucket``: every module's gradients in one all-reduce, ``fc:free-overlap``,
+``fc:fsdp_group``, ``fc:no-reorder``) and ``compute-only``.
 """
 
 from __future__ import annotations
@@ -255,7 +255,8 @@ def fc_marks():
             setattr(owner, attr, fn)
 
 
-REPLICATE_VARIANTS = ["fc", "fc:one-bucket", "fc:free-overlap", "compute-only"]
+# --replicate: _replicate_bench's fc variants and the compute-only bound (its DDP, eager and comm-only are not profiled)
+REPLICATE_VARIANTS = [n for n in RB.REPLICATE_VARIANTS if n.startswith("fc") or n == "compute-only"]
 
 
 def replicate_variant(name: str, model_name: str, backend: str):
@@ -279,7 +280,7 @@ def main():
     ap.add_argument("--stem", default=None, help="results file name without extension (default profile_step_<model>)")
     ap.add_argument("--trace-dir", default=None, help="also write each variant's profile there as trace_<variant>.json.gz")
     ap.add_argument("--replicate", action="store_true",
-                    help="FSDP2's replicate (variants fc, fc:one-bucket, fc:free-overlap, compute-only)")
+                    help="FSDP2's replicate (variants: _replicate_bench's fc ones and compute-only)")
     H.add_optimizer_arg(ap)
     args = ap.parse_args()
     if "RANK" not in os.environ:
@@ -292,10 +293,8 @@ def main():
     torch._inductor.config.profiler_mark_wrapper_call = True
     device, rank, world, say = H.init_ranks(timeout_s=900)
     vocab = CVE.HF_VOCAB if args.model == "hf-llama" else CVE.MODEL_SIZES[args.model].vocab
-    known = REPLICATE_VARIANTS if args.replicate else CVE.VARIANTS
-    unknown = set(args.variants) - set(known)
-    if unknown:
-        ap.error(f"unknown variants {sorted(unknown)}; choose from {known}")
+    CVE.check_variants(args.variants, REPLICATE_VARIANTS if args.replicate else CVE.VARIANTS,
+                       "--replicate" if args.replicate else "this run")
     skipped = {}
     if "simplefsdp" in args.variants and (why := CVE.simple_fsdp_missing()):
         skipped["simplefsdp"] = why
