@@ -61,11 +61,13 @@ def run_passes(
     graph = gm.graph
     place_collectives(graph)
     stages = [("captured", snapshot(gm))] if snapshot else []
-    before, (peak_before, _) = _estimates(graph, cost_model)
+    before, peak = _estimates(graph, cost_model)
+    peak_before = peak[0]
     moves = apply_schedule(graph, schedule)
     if snapshot and moves:
         stages.append(("reordered", snapshot(gm)))
-    after, (peak_after, peak_node) = _estimates(graph, cost_model)
+    # the schedule only moves nodes, each move listed: without one, the graph is the one estimated above
+    after, (peak_after, peak_node) = _estimates(graph, cost_model) if moves else (before, peak)
     buckets = [
         {
             "kind": P.collective_kind(n),
