@@ -58,6 +58,41 @@ def summarize(times: list[float]) -> dict:
     }
 
 
+# the variants a step benchmark's rows are paired with (``paired``), where the run has them
+PAIRED_WITH = ("eager", "torch.compile", "ddp+torch.compile", "simplefsdp", "simplefsdp:reshard", "compute-only")
+
+
+def paired(times: list[float], ref: list[float], window: int) -> dict | None:
+    """``times`` against ``ref``, paired by window: per window, the median of ``times``' steps over the median
+    of ``ref``'s; their median and p10 / p90 over the windows. The step benchmarks time their variants in
+    interleaved windows (each window runs every variant in turn), so a variant's window and the reference's
+    ran seconds apart: a drift of the machine's speed (15-20% between runs of the 2-core CPU, ±10% within
+    one) divides out of each window's ratio, where it stays in a ratio of whole-run medians. None without
+    two windows each."""
+    def medians(xs):
+        return [statistics.median(xs[i:i + window]) for i in range(0, len(xs), window)]
+
+    a, b = medians(times), medians(ref)
+    if len(a) != len(b) or len(a) < 2:
+        return None
+    ratios = [x / y for x, y in zip(a, b)]
+    return {"median": statistics.median(ratios), "p10": percentile(ratios, 0.1), "p90": percentile(ratios, 0.9),
+            "windows": len(ratios)}
+
+
+def paired_with(name: str, times: list[float], by_name: dict, window: int) -> dict:
+    """``paired`` of a variant's ``times`` against each variant of ``PAIRED_WITH`` in ``by_name`` (name ->
+    its timed steps) but itself."""
+    return {o: paired(times, by_name[o], window) for o in PAIRED_WITH if o in by_name and o != name}
+
+
+def paired_line(name: str, pairs: dict) -> str | None:
+    """``name: 1.03x simplefsdp (p10-p90 0.97-1.09 over 8 windows), ...`` for the results' ``paired``."""
+    parts = [f"{v['median']:.3f}x {o} (p10-p90 {v['p10']:.3f}-{v['p90']:.3f} over {v['windows']} windows)"
+             for o, v in pairs.items() if v]
+    return f"{name}, paired by window: " + ", ".join(parts) if parts else None
+
+
 def medians_s(fns: dict, repeats: int, warmup: int, sync=lambda: None) -> dict:
     """Median seconds per call of each fn, timed round-robin (one call of each per round) so that load
     from other processes on a shared machine hits every variant alike; the first ``warmup`` rounds are

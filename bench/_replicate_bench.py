@@ -170,6 +170,7 @@ def run_replicate(args, cve):
              "collective_bytes_per_dim": v.bytes_per_dim or None, "peak_bytes": max(v.peaks), "peak_bytes_per_step": v.peaks,
              "final_loss": v.loss, "final_loss_delta_vs_eager": None if v.loss is None else abs(v.loss - eager_loss),
              "minor_faults_per_step": cve.faults_per_step(v),
+             "paired": H.paired_with(v.name, v.times, {x.name: x.times for x in variants}, args.window),
              **graphs.get(v.name, {})}
         if v.name == "eager":  # its c10d calls less the step's barrier
             r["all_reduces"] = v.all_reduce_calls
@@ -199,6 +200,9 @@ def run_replicate(args, cve):
                                                   f"{r['final_loss']:.5f} ({r['final_loss_delta_vs_eager']:.1e})") + " |")
     if device.type == "cpu":
         say(cve.faults_line(results))
+    for name, r in results.items():
+        if name.startswith("fc") and H.paired_line(name, r["paired"]):
+            say(H.paired_line(name, r["paired"]))
     if floor:
         say(f"comm-only: {comm['median_step_s'] * 1e3:.1f} ms, CPU busy {comm['median_cpu_s'] * 1e3:.1f} ms; CPU floor {floor * 1e3:.1f} ms")
     if rank == 0:

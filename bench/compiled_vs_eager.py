@@ -769,6 +769,7 @@ def main():
             "final_loss": v.loss,
             "final_loss_delta_vs_eager": None if v.loss is None else abs(v.loss - eager.loss),
             "minor_faults_per_step": faults_per_step(v),
+            "paired": H.paired_with(v.name, v.times, {n: x.times for n, x in by_name.items()}, args.window),
         }
         if isinstance(v, CommOnly):
             results[v.name]["median_cpu_s"] = v.median_cpu_s()
@@ -818,6 +819,9 @@ def main():
                 + (f"; {r['median_step_s'] / peer_reshard['median_step_s']:.2f}x SimpleFSDP resharded's"
                    if peer_reshard and not name.startswith("simplefsdp") else "")
             )
+    for name, r in results.items():
+        if name.startswith(("fc", "simplefsdp")) and H.paired_line(name, r["paired"]):
+            say(H.paired_line(name, r["paired"]))
     for base_name in ("eager", "fc") if args.float8 else ():
         r, base_r = results.get(f"{base_name}:float8-ag"), results.get(base_name)
         if r and base_r:

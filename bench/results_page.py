@@ -53,7 +53,9 @@ FAMILIES = [
      "cores). The step floors: on a machine whose cores run both gloo and compute, no schedule beats compute-only + "
      "comm-only's CPU time. First steps: since commit 49449c7 each variant compiles with Inductor's caches empty, "
      "before it the variants of one run shared them, and these JSONs record no commit: compare compile times in the "
-     "compile-time runs."),
+     "compile-time runs. Paired by window (runs since 2026-11-30): per window, a variant's median step over the "
+     "other's in the same window (seconds apart, so a drift of the machine's speed divides out), then the median "
+     "and p10-p90 of those ratios over the windows."),
     ("CPU: where the step goes", "profile_step_", "`bench/profile_step.py`: ms per step by bucket under `torch.profiler`."),
     ("CPU: gradient accumulation", "accumulation_", "`bench/accumulation.py`: micro-batches per optimizer step; "
      "`no_sync` sets `set_requires_gradient_sync(False)` on all micro-batches but the last; times and MiB per "
@@ -277,12 +279,17 @@ def step_variants(d: dict) -> list[str]:
             out += [f"- `{name}` rank {rank} collective MB/step by mesh dim: " + ", ".join(f"{d} {b / 1e6:.3f}" for d, b in sorted(by_dim.items()))]
         if v.get("dp_detail_rank0"):
             out += [f"- `{name}` rank 0 dp MB/step by source: " + ", ".join(f"{k} {b / 1e6:.3f}" for k, b in v["dp_detail_rank0"].items())]
+    paired = {n: v["paired"] for n, v in variants.items() if n.startswith(("fc", "simplefsdp")) and v.get("paired")}
+    for name, pairs in paired.items():  # runs since 2026-11-30: per window, then the median over the windows
+        out += [f"- `{name}` paired by window: " + ", ".join(
+            f"{p['median']:.3f}x `{o}` (p10-p90 {p['p10']:.3f}-{p['p90']:.3f}, {p['windows']} windows)"
+            for o, p in pairs.items() if p)]
     for variant, why in sorted((d.get("skipped") or {}).items()):
         out += [f"- skipped `{variant}`: {why}"]
     for label, seconds in (d.get("step_floors_s") or {}).items():
         out += [f"- step floor, {label}: {ms(seconds)} ms"]
     by_rank = any(v.get("collective_bytes_per_dim_by_rank") for v in variants.values())
-    return out + ([""] if d.get("skipped") or d.get("step_floors_s") or per_dim or by_rank else [])
+    return out + ([""] if d.get("skipped") or d.get("step_floors_s") or per_dim or by_rank or paired else [])
 
 
 def profile(d: dict) -> list[str]:
