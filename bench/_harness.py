@@ -87,7 +87,8 @@ def paired_with(name: str, times: list[float], by_name: dict, window: int) -> di
 
 
 def paired_line(name: str, pairs: dict) -> str | None:
-    """``name: 1.03x simplefsdp (p10-p90 0.97-1.09 over 8 windows), ...`` for the results' ``paired``."""
+    """``fc, paired by window: 1.030x simplefsdp (p10-p90 0.970-1.090 over 8 windows), ...`` from ``paired_with``'s
+    result; None where it holds no ratio."""
     parts = [f"{v['median']:.3f}x {o} (p10-p90 {v['p10']:.3f}-{v['p90']:.3f} over {v['windows']} windows)"
              for o, v in pairs.items() if v]
     return f"{name}, paired by window: " + ", ".join(parts) if parts else None
