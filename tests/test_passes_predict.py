@@ -54,3 +54,20 @@ def test_planner_prediction_matches_graph_simulation(config):
             assert planner["exposed_s"] == pytest.approx(graph["comm_time"], rel=1e-9)
             assert graph["exposed_comm_time"] == pytest.approx(graph["comm_time"], rel=1e-9)
         assert planner["step_s"] <= graph["step_time"] < 2 * planner["step_s"]
+
+
+@pytest.mark.parametrize("config", [{"bucket": "fsdp_group", "reorder": False}, {}], ids=["as_placed", "planned"])
+def test_graph_estimated_again_only_where_the_schedule_moved_something(config, monkeypatch):
+    """``run_passes`` simulates a graph before the schedule's moves and again after them: a graph the schedule
+    moved nothing in is estimated once, its record's "after" the "before"."""
+    from fsdp_compile.passes import pipeline
+
+    calls, estimates = [], pipeline._estimates
+    monkeypatch.setattr(pipeline, "_estimates", lambda graph, cost_model: calls.append(1) or estimates(graph, cost_model))
+    _, records = _explain(**config)
+    moved = [r for r in records.values() if r.moves]
+    assert len(calls) == len(records) + len(moved)
+    assert len(moved) == (len(records) if not config else 0)
+    for r in records.values():
+        if not r.moves:
+            assert r.after == r.before and r.peak_after == r.peak_before
