@@ -80,10 +80,10 @@ def paired(times: list[float], ref: list[float], window: int) -> dict | None:
             "windows": len(ratios)}
 
 
-def paired_with(name: str, times: list[float], by_name: dict, window: int) -> dict:
-    """``paired`` of a variant's ``times`` against each variant of ``PAIRED_WITH`` in ``by_name`` (name ->
-    its timed steps) but itself."""
-    return {o: paired(times, by_name[o], window) for o in PAIRED_WITH if o in by_name and o != name}
+def paired_with(name: str, times: dict, window: int) -> dict:
+    """``paired`` of variant ``name``'s timed steps against each other variant of ``PAIRED_WITH`` in ``times``
+    (variant -> its timed steps)."""
+    return {o: paired(times[name], times[o], window) for o in PAIRED_WITH if o in times and o != name}
 
 
 def paired_line(name: str, pairs: dict) -> str | None:

@@ -159,6 +159,7 @@ def run_replicate(args, cve):
 
     results, base = {}, H.summarize(variants[0].times)["median_step_s"]
     eager_loss = variants[0].loss
+    times = {v.name: v.times for v in variants}
     for v in variants:
         stats = H.summarize(v.times)
         graph = v.in_graph_collectives() or {}
@@ -170,7 +171,7 @@ def run_replicate(args, cve):
              "collective_bytes_per_dim": v.bytes_per_dim or None, "peak_bytes": max(v.peaks), "peak_bytes_per_step": v.peaks,
              "final_loss": v.loss, "final_loss_delta_vs_eager": None if v.loss is None else abs(v.loss - eager_loss),
              "minor_faults_per_step": cve.faults_per_step(v),
-             "paired": H.paired_with(v.name, v.times, {x.name: x.times for x in variants}, args.window),
+             "paired": H.paired_with(v.name, times, args.window),
              **graphs.get(v.name, {})}
         if v.name == "eager":  # its c10d calls less the step's barrier
             r["all_reduces"] = v.all_reduce_calls

@@ -744,6 +744,7 @@ def main():
     eager = variants[0]
     base = H.summarize(eager.times)["median_step_s"]
     by_name = {v.name: v for v in variants}
+    times = {v.name: v.times for v in variants}
     results = {}
     for v in variants:
         stats = H.summarize(v.times)
@@ -769,7 +770,7 @@ def main():
             "final_loss": v.loss,
             "final_loss_delta_vs_eager": None if v.loss is None else abs(v.loss - eager.loss),
             "minor_faults_per_step": faults_per_step(v),
-            "paired": H.paired_with(v.name, v.times, {n: x.times for n, x in by_name.items()}, args.window),
+            "paired": H.paired_with(v.name, times, args.window),
         }
         if isinstance(v, CommOnly):
             results[v.name]["median_cpu_s"] = v.median_cpu_s()
