@@ -85,10 +85,15 @@ def gloo_world_1():
     dist.destroy_process_group()
 
 
-def test_a_compiled_step_compiles_with_raised_thresholds(gloo_world_1, thresholds, monkeypatch):
+@pytest.mark.parametrize("reset", [False, True], ids=["", "after-dynamo-reset"])
+def test_a_compiled_step_compiles_with_raised_thresholds(gloo_world_1, thresholds, monkeypatch, reset):
     """Our passes run inside the forward's compile and inside the backward's (lazy, at the first backward):
-    both see the raised thresholds; the step's call and backward leave the user's in force."""
+    both see the raised thresholds; the step's call and backward leave the user's in force. Also after
+    ``torch._dynamo.reset()``, which clears every compile callback (ours were gone for the rest of the process)."""
     from fsdp_compile import backend
+
+    if reset:
+        torch._dynamo.reset()
 
     seen, run_passes = [], backend.run_passes
 
