@@ -128,6 +128,12 @@ def test_reshard_after_forward_kept(reshard):
     assert compiled.regions()[0]["region"], compiled.regions()  # the blocks ran as one region
     counts = count_collectives(compiled.captured.backward)
     assert counts == {"all_gathers": 3 if reshard else 0, "reduce_scatters": 4, "all_reduces": 0}
+    # the region's backward takes each Linear weight as it was gathered, not as t(t(weight)) rebuilt at top level
+    # (14 more nodes per block in the joint graph, and a top-level partition 3x as long at 12 HF layers)
+    t, region = torch.ops.aten.t.default, torch.ops.higher_order.invoke_subgraph
+    operands = [a for gm in compiled.captured.backward for n in gm.graph.find_nodes(op="call_function", target=region)
+                for a in n.args[2:] if isinstance(a, torch.fx.Node)]
+    assert operands and not [a for a in operands if a.target is t and a.args[0].target is t], operands
 
 
 class Scaled(nn.Module):

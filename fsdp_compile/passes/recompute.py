@@ -18,7 +18,8 @@ partitions a region on its own, and its forward part hands its inputs (the gathe
 of them to its backward part as saved values; at top level those are outputs of the forward region call,
 which the partitioner must save, so nothing would be re-gathered and every block's full parameters would
 live from forward to backward. ``_rewire_region_inputs`` gives each backward region call the top-level
-value instead (re-applying the view chain at top level): the same tensor, which the tags then recompute.
+value instead (re-applying the view chain at top level, or none where the chain gives the input's own layout
+back: a Linear's backward saves its weight as ``t(t(w))``): the same tensor, which the tags then recompute.
 """
 
 from __future__ import annotations
@@ -149,6 +150,16 @@ def _as_input(out: fx.Node) -> tuple[int, list[fx.Node]] | None:
     return list(out.graph.find_nodes(op="placeholder")).index(out), chain[::-1]
 
 
+def _same_layout(a: fx.Node, b: fx.Node) -> bool:
+    """Whether ``a``, a view chain of ``b``, has ``b``'s dtype, shape, strides and storage offset: the chain
+    gives back ``b``'s own layout."""
+    x, y = a.meta.get("val"), b.meta.get("val")
+    if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)):
+        return False
+    return (x.dtype == y.dtype and x.shape == y.shape and x.stride() == y.stride()
+            and x.storage_offset() == y.storage_offset())
+
+
 def _views_of_unshard(value, unshard: set[fx.Node]) -> list[fx.Node] | None:
     """The view nodes from an unshard chain node to ``value`` ([] where ``value`` is one), or None where it is
     not such a view: a TP parameter enters its region as the local tensor of the DTensor built on the gathered
@@ -183,6 +194,8 @@ def _rewire_region_inputs(gm: fx.GraphModule) -> int:
             between = _views_of_unshard(value, unshard)
             if between is None:
                 continue
+            if views and _same_layout(views[-1], views[0].args[0]):  # t(t(w)), as a Linear's backward saves it: w
+                views = []
             for view in between:  # recomputed from the chain, not saved (a saved view keeps its whole base)
                 view.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
             with graph.inserting_before(call):
