@@ -40,6 +40,11 @@ def add_optimizer_arg(ap) -> None:
                     help="AdamW's implementation in every variant: fused (torchtitan's default) or foreach (torch's)")
 
 
+def names_listed(values: list[str] | None) -> list[str] | None:
+    """``--variants`` as given, space- or comma-separated (``fc simplefsdp`` or ``fc,simplefsdp``)."""
+    return None if values is None else [v for value in values for v in value.split(",") if v]
+
+
 def percentile(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     if not xs:

@@ -215,7 +215,8 @@ def measure(variant: str, depth: int, model: str, cache_dir: str, one_process: b
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--depths", nargs="+", type=int, default=[2, 8, 16, 32])
-    ap.add_argument("--variants", nargs="+", default=[v for v in VARIANTS if v != "fc:no-regions"], choices=VARIANTS)
+    ap.add_argument("--variants", nargs="+", default=[v for v in VARIANTS if v != "fc:no-regions"],
+                    help=f"space- or comma-separated, of: {' '.join(VARIANTS)}")
     ap.add_argument("--model", choices=list(MODELS), default=None)
     ap.add_argument("--quick", action="store_true", help="depths 2 and 8 only")
     ap.add_argument("--one-process", action="store_true", help="one rank on the fake process group (world size 2)")
@@ -225,6 +226,9 @@ def main() -> None:
     ap.add_argument("--variant", help=argparse.SUPPRESS)
     ap.add_argument("--depth", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    args.variants = H.names_listed(args.variants)
+    if unknown := [v for v in args.variants if v not in VARIANTS]:
+        ap.error(f"--variants {' '.join(unknown)}: not a variant; the variants: {' '.join(VARIANTS)}")
     if args.model in ("deepseek", "titan-tp"):
         sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "tests"))
     if args.model is None:

@@ -595,7 +595,7 @@ def main():
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=None, help="tokens per sequence (64; 128 for hf-llama, 2048 for llama-1b)")
     ap.add_argument("--quick", action="store_true", help="tiny model, 10 timed steps: a few minutes on 2 CPU ranks")
-    ap.add_argument("--variants", nargs="*", help="variants to run besides eager (default: all)")
+    ap.add_argument("--variants", nargs="*", help="variants to run besides eager, space- or comma-separated (default: all)")
     ap.add_argument("--warm-cache", action="store_true", help="reuse Inductor's on-disk caches (default: a fresh, cold cache)")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (Llama models): FSDP over world/tp ranks")
     ap.add_argument("--float8", action="store_true", help="torchao float8 Linears, with and without the float8 all-gather")
@@ -609,6 +609,7 @@ def main():
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     H.add_optimizer_arg(ap)
     args = ap.parse_args()
+    args.variants = H.names_listed(args.variants)
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: torch.cuda.is_available() is False (no GPU, or a CPU build of torch)")
     if args.device == "cuda" and int(os.environ.get("LOCAL_WORLD_SIZE", 1)) > torch.cuda.device_count():

@@ -283,6 +283,7 @@ def main():
                     help="FSDP2's replicate (variants: _replicate_bench's fc ones and compute-only)")
     H.add_optimizer_arg(ap)
     args = ap.parse_args()
+    args.variants = H.names_listed(args.variants)
     if "RANK" not in os.environ:
         ap.error("launch with torchrun, e.g.: torchrun --nproc-per-node 2 bench/profile_step.py")
     if args.mp and args.model == "hf-llama":
