@@ -202,8 +202,8 @@ def run_replicate(args, cve):
     if device.type == "cpu":
         say(cve.faults_line(results))
     for name, r in results.items():
-        if name.startswith("fc") and H.paired_line(name, r["paired"]):
-            say(H.paired_line(name, r["paired"]))
+        if name.startswith("fc") and (line := H.paired_line(name, r["paired"])):
+            say(line)
     if floor:
         say(f"comm-only: {comm['median_step_s'] * 1e3:.1f} ms, CPU busy {comm['median_cpu_s'] * 1e3:.1f} ms; CPU floor {floor * 1e3:.1f} ms")
     if rank == 0:

@@ -822,8 +822,8 @@ def main():
                    if peer_reshard and not name.startswith("simplefsdp") else "")
             )
     for name, r in results.items():
-        if name.startswith(("fc", "simplefsdp")) and H.paired_line(name, r["paired"]):
-            say(H.paired_line(name, r["paired"]))
+        if name.startswith(("fc", "simplefsdp")) and (line := H.paired_line(name, r["paired"])):
+            say(line)
     for base_name in ("eager", "fc") if args.float8 else ():
         r, base_r = results.get(f"{base_name}:float8-ag"), results.get(base_name)
         if r and base_r:
