@@ -97,13 +97,15 @@ def traced_step(model, plan, schedule, kernels, key: tuple, deferred: dict[str, 
     each unit, found once)."""
     # what the trace reads of each unit (its op arguments encoded: a constant string in the graph), found once
     units = capture.unit_traces(plan, schedule, kernels, key)
+    constant = capture.trace_constants(units)
     places = capture.parameter_places(model, [fqn for u in units for fqn in u.fqns],
                                       {p.fqn: p.places for u in units for p in u.params if p.places})
     # a deferred parameter is built only in its block's forward: not one held elsewhere too (tied)
     deferred = {fqn: k for fqn, k in deferred.items() if len(places.get(fqn, ())) == 1}
+    deferred, places = capture.constants({fqn: deferred.get(fqn) for fqn in places}), capture.place_table(places)
 
     def step(shards, sinks, accumulated, partials, extensions, *args, **kwargs):
-        return capture.traced_forward(model, units, key, places, deferred, shards, sinks, accumulated, partials,
+        return capture.traced_forward(model, constant, key, places, deferred, shards, sinks, accumulated, partials,
                                       extensions, args, kwargs)
 
     return step

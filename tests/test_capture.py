@@ -612,9 +612,11 @@ def test_call_with_is_functional_call():
         (True, "weight"), (True, "weight")]
     ids = torch.tensor([[1, 2, 3]])
     expected = torch.func.functional_call(m, new, (ids,), tie_weights=True)
-    assert torch.equal(capture.call_with(m, places, new, (ids,), {}), expected)
+    table = capture.place_table(places)
+    assert len(table[0]) == 3  # embed's, head's and block's _parameters: each dict once
+    assert torch.equal(capture.call_with(m, table, new, (ids,), {}), expected)
     with pytest.raises(IndexError):
-        capture.call_with(m, places, new, (torch.tensor([[9]]),), {})  # out of the embedding's range
+        capture.call_with(m, table, new, (torch.tensor([[9]]),), {})  # out of the embedding's range
     after = dict(nn.Module.named_parameters(m, remove_duplicate=False))
     assert after.keys() == originals.keys() and all(after[n] is p for n, p in originals.items())
     with pytest.raises(ValueError, match="no parameter 'block.gone'"):

@@ -17,7 +17,10 @@ from fsdp_compile._torch._dynamo_logging import flush_logs, install_logging
 from fsdp_compile.capture.forward import (
     UnitTrace,
     call_with,
+    constants,
     parameter_places,
+    place_table,
+    trace_constants,
     traced_forward,
     unit_params,
     unit_traces,
@@ -36,6 +39,7 @@ from fsdp_compile.capture.step import STEP, active
 
 __all__ = [
     "INLINE_PARALLEL", "INLINE_SUBCLASS", "STEP", "Attachment", "UnitTrace", "active", "attach",
-    "call_with", "find_repeated_blocks", "flush_logs", "inline_reason", "install_hooks", "install_logging",
-    "install_regions", "parameter_places", "traced_forward", "unit_params", "unit_traces", "unshard_args",
+    "call_with", "constants", "find_repeated_blocks", "flush_logs", "inline_reason", "install_hooks",
+    "install_logging", "install_regions", "parameter_places", "place_table", "trace_constants", "traced_forward",
+    "unit_params", "unit_traces", "unshard_args",
 ]

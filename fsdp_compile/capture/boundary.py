@@ -121,7 +121,8 @@ def flattened(tensors: tuple, specs: tuple, subclasses: tuple | None = None, dir
               ) -> tuple | None:
     """The region's operands: each DTensor parameter as its local tensor, each subclass (its local tensor) as
     its inner tensors and a carrier of its gradient (``SubclassCrossing``), outside the region; None where one
-    is not what the region was made for now (something replaced it: the block then runs inline). ``direct``:
+    is not what the region was made for now (something replaced it: the block then runs inline). ``specs``: per
+    tensor, whether it is a DTensor parameter (its ``ParallelSpec``, or a bool). ``direct``:
     per tensor, the operands ``SubclassCrossing.direct`` made of it straight from the all-gather (None: from
     ``tensors``)."""
     from torch.distributed.tensor import DTensor
@@ -131,7 +132,7 @@ def flattened(tensors: tuple, specs: tuple, subclasses: tuple | None = None, dir
         if direct is not None and direct[j] is not None:
             out += direct[j]
             continue
-        if s is not None:
+        if s:
             if not isinstance(t, DTensor):
                 return None
             t = t.to_local()
@@ -443,7 +444,9 @@ def activations_rebuilt(operands: tuple, named: str) -> tuple:
 
 def call_key(region: str, spec: str, operands: tuple, dtensors: bool) -> tuple:
     """What a region's outputs' layouts are noted by: the region, its call's structure and input layouts (``spec``),
-    its tensors' shapes and dtypes (a DTensor's global shape follows them) and its constants (each its own trace:
+    and of ``operands`` (the call's operands after the block's own tensors, whose shapes, dtypes and layouts are
+    constants of the kind: about 250 steps of Dynamo's tracing per TP Llama block to read them) the tensors' shapes
+    and dtypes (a DTensor's global shape follows them) and the constants (each its own trace:
     ``regions._reuse_key``), the same inside and outside the region. None for a call that is not flat (``spec``
     None) or takes no DTensor (no DTensor parameter, ``dtensors``, and no DTensor activation, which ``spec`` names
     after a "#", ``activations_flattened``): its outputs are left as they are

@@ -6,13 +6,17 @@ gradients arrive as Shard(0) DTensor ``.grad`` on the original parameters), then
 full tensors in its parameters' places (``call_with``). The passes then move each unshard to just before
 its group's first use (``passes/placement.py``), which is where FSDP2's pre-forward hook would have issued
 it. Everything ``traced_forward`` reads is found once, outside the trace (``unit_traces``,
-``parameter_places``): Dynamo traces every read. Not put in place: a region block's all-gather extension
-parameters (torchao's float8 weights), which its region takes straight from the all-gather (``Deferred``).
+``parameter_places``): Dynamo traces every read. What cannot change for the life of the step is read as a
+constant, unguarded (``constants``): Dynamo guards every value it reads of an input. Not put in place: a region
+block's all-gather extension parameters (torchao's float8 weights), which its region takes straight from the
+all-gather (``Deferred``).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import dataclasses
+import itertools
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -53,7 +57,7 @@ def materialized(entry: Deferred) -> torch.Tensor:
     """The unsharded parameter ``traced_forward`` would have built of ``entry``, for its block's own forward."""
     with annotate(UNSHARD, entry.members, entry.unit):
         t = _extensions.Attach.apply(*entry.attach)
-        return t if entry.parallel is None else _as_dtensor(t, entry.parallel)
+        return t if entry.parallel is None else _as_dtensor(t, entry.parallel, entry.parallel.mesh)
 
 
 def unit_traces(plan: ShardingPlan, schedule: Schedule, kernels: str, key: tuple) -> list[UnitTrace]:
@@ -69,21 +73,72 @@ def unit_traces(plan: ShardingPlan, schedule: Schedule, kernels: str, key: tuple
     return out
 
 
+_CONSTANTS = itertools.count()
+
+
+def constants(values) -> Callable[[int], object]:
+    """``values[i]`` for the trace, as a constant Dynamo does not guard (``assume_constant_result``: Dynamo calls
+    it at trace time and keeps the result, unguarded). For values fixed for the life of a compiled step's code
+    object (``_api``'s ``_unique_code``: one per step), which guards would check at every call for nothing.
+    Dynamo keeps each result in the compiled frame's globals under the function's name, numbered from 0 on
+    every call: a name of its own per accessor keeps that numbering short (with one name for all, every call of
+    every compile in a process searched past all of those before it)."""
+
+    def at(i: int):
+        return values[i]
+
+    name = f"fsdp_compile_constant_{next(_CONSTANTS)}"
+    at.__code__ = at.__code__.replace(co_name=name, co_qualname=name)  # the name Dynamo keeps results under
+    return torch._dynamo.assume_constant_result(at)
+
+
+class TraceConstants(NamedTuple):
+    """What ``traced_forward`` reads of the schedule's units. Every value Dynamo reads of an input is guarded:
+    each parameter's name and its TP layout's placements, shape and stride cost about 140 of a TP Llama block's
+    400 guards, built at every compile and checked at every call. ``units(i)``: unit ``i``'s ``UnitTrace``
+    through ``constants``, without its ``params`` and with each TP spec's mesh as its index in ``meshes``: a
+    mesh crosses into the graph as an input (an opaque object), whose source a region's reuse must resolve, so
+    the meshes stay guarded, once each. ``params[i]``: its ``ParamPlan``s, guarded, read only for a unit with
+    all-gather extensions (their specs hold modules and meshes)."""
+
+    units: Callable[[int], UnitTrace]
+    meshes: tuple
+    params: tuple[tuple[ParamPlan, ...], ...]
+
+
+def trace_constants(units: list[UnitTrace]) -> TraceConstants:
+    """``TraceConstants`` of a step's ``unit_traces``."""
+    meshes: list = []
+
+    def indexed(spec):
+        if spec is None:
+            return None
+        k = next((k for k, m in enumerate(meshes) if m is spec.mesh), len(meshes))
+        if k == len(meshes):
+            meshes.append(spec.mesh)
+        return dataclasses.replace(spec, mesh=k)
+
+    table = [u._replace(params=(), parallel=None if u.parallel is None else tuple(map(indexed, u.parallel)))
+             for u in units]
+    return TraceConstants(constants(table), tuple(meshes), tuple(u.params for u in units))
+
+
 def traced_forward(
-    model: nn.Module, units: list[UnitTrace], key: tuple, places: dict, deferred: dict[str, int],
+    model: nn.Module, constant: TraceConstants, key: tuple, places: tuple, deferred,
     shards: list[list[torch.Tensor]], sinks: list[list], accumulated: list[list], partials: list[tuple[list, list]],
     extensions: list[list], args, kwargs
 ):
     """The function Dynamo captures: one ``fsdp_compile::unshard`` per unit of the schedule (``shards[i]``:
-    the local shards of ``units[i].params``, whose op arguments ``units[i].arguments`` were encoded before
-    tracing; ``sinks[i]`` / ``accumulated[i]``: gradient accumulation without sync, ``partials[i]``: HSDP's
-    without all-reduce (its partial sinks, its partials), see the op; ``key[i]`` /
+    the local shards of unit ``i``'s parameters, whose op arguments were encoded before tracing: ``constant``,
+    ``trace_constants``); ``sinks[i]`` / ``accumulated[i]``: gradient accumulation without sync, ``partials[i]``:
+    HSDP's without all-reduce (its partial sinks, its partials), see the op; ``key[i]`` /
     ``extensions[i]``: its all-gather extensions, ``_extensions.prepare``), then the model on the full
-    parameters (``places``: ``parameter_places``). An extension parameter that ``deferred`` names (by its key,
-    ``regions.install_regions``) is not built here, with regions on: its block's forward finds what it is built
-    of in ``STEP.pieces``, under that key."""
-    full, pieces, regions = {}, {}, STEP.regions
-    for i, (unit, unit_shards) in enumerate(zip(units, shards)):
+    parameters (``places``: ``place_table``). An extension parameter to which ``deferred`` gives a key
+    (``constants`` by name: the key or None; ``regions.install_regions``) is not built here, with regions on: its
+    block's forward finds what it is built of in ``STEP.pieces``, under that key."""
+    full, pieces, regions, meshes = {}, {}, STEP.regions, constant.meshes
+    for i, unit_shards in enumerate(shards):
+        unit = constant.units(i)
         if key[i] is None:
             gathered = torch.ops.fsdp_compile.unshard(unit_shards, sinks[i], accumulated[i], *partials[i], [], unit.arguments)
             if unit.parallel is None:
@@ -91,21 +146,22 @@ def traced_forward(
                     full[fqn] = t
             else:
                 for fqn, spec, t in zip(unit.fqns, unit.parallel, gathered):
-                    full[fqn] = t if spec is None else _as_dtensor(t, spec)
+                    full[fqn] = t if spec is None else _as_dtensor(t, spec, meshes[spec.mesh])
             continue
         selves, payloads, metadatas = _extensions.split(extensions[i], key[i])
         outs = iter(torch.ops.fsdp_compile.unshard(unit_shards, sinks[i], accumulated[i], *partials[i], payloads,
                                                    unit.arguments))
         with annotate(UNSHARD, unit.members, i):  # part of the unit's unshard chain (re-gathered for reshard_after_forward)
-            for p, layout in zip(unit.params, key[i]):
+            for p, layout in zip(constant.params[i], key[i]):
                 if layout is None:
                     t = next(outs)
                 else:
                     outputs = [next(outs) for _ in range(layout.n_inputs)]
                     attach = _extensions.attach_args(
                         selves.pop(0), outputs, metadatas.pop(0), next(outs), unit.param_dtype or p.orig_dtype, p.extension, p.fqn)
-                    if regions and p.fqn in deferred:
-                        pieces[deferred[p.fqn]] = Deferred(attach, p.parallel, unit.members, i)
+                    deferred_key = deferred(p.fqn) if regions else None
+                    if deferred_key is not None:
+                        pieces[deferred_key] = Deferred(attach, p.parallel, unit.members, i)
                         # None in its place (nothing but its block's forward reads it, which builds it if it runs
                         # inline): the sharded parameter left there had the region's trace guard on its inner tensors
                         # (``_reparametrize_module`` reads what it swaps), which precomputed float8 scales change
@@ -114,7 +170,7 @@ def traced_forward(
                     t = _extensions.Attach.apply(*attach)
                 # a TP parameter's rebuilt local tensor (torchao's Float8TrainingTensor) as its TP DTensor, as FSDP2's
                 # init_unsharded_param wraps what fsdp_post_all_gather returns
-                full[p.fqn] = t if p.parallel is None else _as_dtensor(t, p.parallel)
+                full[p.fqn] = t if p.parallel is None else _as_dtensor(t, p.parallel, p.parallel.mesh)
     if not pieces:
         return call_with(model, places, full, args, kwargs)
     previous, STEP.pieces = STEP.pieces, pieces
@@ -153,24 +209,42 @@ def _held(model: nn.Module, fqn: str) -> tuple[nn.Module, str]:
     return (_get(model, path) if path else model), name
 
 
-def call_with(model, places: dict, tensors: dict, args, kwargs):
+def place_table(places: dict) -> tuple[tuple[dict, ...], Callable]:
+    """``parameter_places``' places as ``call_with`` takes them: the dicts that hold the parameters, each once, and
+    every place as ``(name, index of its dict, key)``, through ``constants``. Dynamo guards each dict (the step
+    writes into it) but not the names and tuples around it: 5 of the 7 guards a parameter's place cost."""
+    dicts: list[dict] = []
+    every = []
+    for name, held in places.items():
+        for d, key in held:
+            k = next((k for k, x in enumerate(dicts) if x is d), len(dicts))
+            if k == len(dicts):
+                dicts.append(d)
+            every.append((name, k, key))
+    return tuple(dicts), constants([tuple(every)])
+
+
+def call_with(model, places: tuple, tensors: dict, args, kwargs):
     """``model(*args, **kwargs)`` with each parameter named in ``tensors`` replaced, at every place it is held
-    (``parameter_places``), by its tensor: ``functional_call(model, tensors, args, kwargs, tie_weights=True)``
-    for a dict of parameters, without the module walk. The parameters are put back on the way out. ``model``
-    may be any callable (a block's own forward: ``regions._regional_forward``'s inline build)."""
+    (``places``: ``place_table`` of ``parameter_places``), by its tensor: ``functional_call(model, tensors, args,
+    kwargs, tie_weights=True)`` for a dict of parameters, without the module walk. The parameters are put back on
+    the way out. ``model`` may be any callable (a block's own forward: ``regions._regional_forward``'s inline
+    build)."""
+    dicts, every = places
     saved = []
     try:
-        for fqn, tensor in tensors.items():
-            for held, name in places[fqn]:
-                saved.append((held, name, held[name]))
-                held[name] = tensor
+        for name, k, key in every(0):
+            if name in tensors:
+                held = dicts[k]
+                saved.append((held, key, held[key]))
+                held[key] = tensors[name]
         return model(*args, **kwargs)
     finally:
-        for held, name, param in reversed(saved):
-            held[name] = param
+        for held, key, param in reversed(saved):
+            held[key] = param
 
 
-def _as_dtensor(local: torch.Tensor, spec):
+def _as_dtensor(local: torch.Tensor, spec, mesh):
     """A gathered TP/EP-local tensor as the DTensor its module's parallel plan expects (FSDP2's
     ``init_unsharded_param``). Differentiable: the gradient comes back as the local tensor, redistributed
     to ``spec.placements`` first where it is not already (a Partial gradient of a replicated weight is
@@ -178,9 +252,9 @@ def _as_dtensor(local: torch.Tensor, spec):
     dims than ``spec.dp_dims`` only (``_DataParallelDTensor``). An spmd_types parameter (``spec.grad_placements``)
     stays the plain tensor, with that backward (``_SpmdTypesParam``)."""
     if spec.grad_placements is not None:
-        return _SpmdTypesParam.apply(local, spec.mesh, spec.placements, spec.grad_placements, spec.dp_dims)
+        return _SpmdTypesParam.apply(local, mesh, spec.placements, spec.grad_placements, spec.dp_dims)
     # with dp_dims (), DTensor.from_local's backward; traced instead, from_local took about 5 ms a parameter
-    return _DataParallelDTensor.apply(local, spec.mesh, spec.placements, spec.dp_dims, spec.shape, spec.stride)
+    return _DataParallelDTensor.apply(local, mesh, spec.placements, spec.dp_dims, spec.shape, spec.stride)
 
 
 class _DataParallelDTensor(torch.autograd.Function):

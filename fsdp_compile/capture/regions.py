@@ -32,7 +32,7 @@ from fsdp_compile._annotations import UNSHARD, annotate
 from fsdp_compile._torch import _invoke_subgraph
 from fsdp_compile.capture import block_hooks, boundary
 from fsdp_compile.capture.boundary import INLINE_PARALLEL, INLINE_SUBCLASS
-from fsdp_compile.capture.forward import _get, call_with, materialized
+from fsdp_compile.capture.forward import _get, call_with, constants, materialized, place_table
 from fsdp_compile.capture.step import STEP
 from fsdp_compile.plan import ShardingPlan
 
@@ -103,7 +103,7 @@ def _make_region(blocks: list[nn.Module], index: int, crossing: tuple | None = N
         made = f"{name}:{next(_MADE)}"  # what its outputs' layouts are noted by: this region's, not another model's
 
         def region(spec, *operands):
-            key = boundary.call_key(made, spec, operands, dtensors)
+            key = boundary.call_key(made, spec, operands[n:], dtensors)
             if spec is not None:  # DTensor activations, from their local tensors (``boundary``)
                 spec, _, named = spec.partition("#")
                 operands = boundary.activations_rebuilt(operands, named)
@@ -208,51 +208,68 @@ def _crossing(plan: ShardingPlan, fqn: str, names) -> tuple | None:
 # (``_plain_attributes``: each then passed in itself).
 _FLAGS = frozenset({"_is_full_backward_hook", "_is_fsdp_managed_module", "_fsdp_use_orig_params",
                     "_distribute_module_applied"})
+# A Linear's in_features and out_features (torchao's Float8Linear's too) are its weight's shape, which a kind's
+# signature makes equal in every block (``find_repeated_blocks``): 14 of the 31 attributes of a Llama block, whose
+# reads took about 270 of the 3,000 steps of Dynamo's tracing per TP Llama block. Written apart from the weight,
+# they would describe another Linear than the one the block holds.
+_LINEAR_SHAPE = frozenset({"in_features", "out_features"})
 
 
 def _attribute_pairs(block: nn.Module, template: nn.Module) -> tuple:
-    """``(submodule of block, the template's, its plain attributes' names)`` for every submodule of the block
-    that has plain attributes (but ``_FLAGS``). Each submodule appears once: Dynamo guards that every path by
-    which it meets one object leads to that object, so one entry per attribute cost about 100 such guards per
-    block."""
-    subs, out = dict(nn.Module.named_modules(template)), []
+    """``(submodules of block, the template's, their plain attributes' names)`` for every submodule of the block
+    that has plain attributes (but ``_FLAGS``, and a Linear's ``_LINEAR_SHAPE``), or ``()`` where none has. The
+    names come through ``capture.forward.constants`` (unguarded: a name Dynamo read off the tuple was guarded,
+    as was each tuple's structure; with ``_LINEAR_SHAPE``, a TP Llama block's comparisons went from 94 guards
+    to 34). Each submodule
+    appears once: Dynamo guards that every path by which it meets one object leads to that object, so one
+    entry per attribute cost about 100 such guards per block."""
+    subs, mines, templates, names = dict(nn.Module.named_modules(template)), [], [], []
     for path, sub in nn.Module.named_modules(block):
-        keys = tuple(key for key, value in vars(sub).items() if isinstance(value, _PLAIN) and key not in _FLAGS)
+        skip = _FLAGS | _LINEAR_SHAPE if isinstance(sub, nn.Linear) else _FLAGS
+        keys = tuple(key for key, value in vars(sub).items() if isinstance(value, _PLAIN) and key not in skip)
+        names += [(len(mines), key) for key in keys]
         if keys:
-            out.append((sub, subs[path], keys))
-    return tuple(out)
+            mines.append(sub)
+            templates.append(subs[path])
+    return (tuple(mines), tuple(templates), constants([tuple(names)])) if mines else ()
 
 
-def _written_apart(pairs) -> bool:
+def _written_apart(mines: tuple, templates: tuple, names) -> bool:
     """Whether a block of a template region has a plain attribute that differs from the template's now: the
     model's forward wrote it (``block.scale = ...`` in the parent's loop), in the trace. Dynamo reads both
-    (the write included) and folds the comparison; unwritten attributes are guarded, as any read is."""
-    for mine, template, keys in pairs:
-        for key in keys:
-            a, b = getattr(mine, key), getattr(template, key)
-            if a != b and (a == a or b == b):  # NaN equals NaN here
-                return True
+    (the write included) and folds the comparison; unwritten attributes are guarded, as any read is.
+    ``names(0)``: every attribute, as ``(index of its submodule, name)``."""
+    for j, key in names(0):
+        a, b = getattr(mines[j], key), getattr(templates[j], key)
+        if a != b and (a == a or b == b):  # NaN equals NaN here
+            return True
     return False
 
 
 def _holders(block: nn.Module, names) -> tuple:
     """Per dotted name (a parameter's or buffer's), the ``_parameters`` or ``_buffers`` dict that holds it and
-    its key there, found once: Dynamo traced the ``getattr`` walk down to each at about 2 ms a tensor."""
-    out = []
-    for dotted in names:
+    its key there, found once: Dynamo traced the ``getattr`` walk down to each at about 2 ms a tensor. As
+    ``call_with`` takes places, by the index of the name (``place_table``: the dicts guarded, their keys not)."""
+    out = {}
+    for j, dotted in enumerate(names):
         path, _, key = dotted.rpartition(".")
         module = _get(block, path) if path else block
-        out.append((module._parameters if key in module._parameters else module._buffers, key))
-    return tuple(out)
+        out[j] = ((module._parameters if key in module._parameters else module._buffers, key),)
+    return place_table(out)
 
 
 def _regional_forward(block: nn.Module, region, names, pass_block: bool, pairs: tuple = (), crossing=None,
                       keys: tuple = ()):
-    """``keys``: per tensor of ``names``, the key of its ``capture.forward.Deferred`` in ``STEP.pieces``, or None."""
+    """``keys``: per tensor of ``names``, the key of its ``capture.forward.Deferred`` in ``STEP.pieces``, or None.
+    What the forward reads of ``keys`` and ``crossing`` (which tensors are DTensors) comes through ``constants``,
+    unguarded; the subclass crossings, guarded, only where there are some."""
     own = getattr(block.forward, "fsdp_compile_own_forward", block.forward)  # the bound method of its class
     made = getattr(region, "fsdp_compile_made", None)
     dtensors = boundary.dtensor_parameters(crossing)
-    holders = _holders(block, names)
+    deferred = constants([keys]) if any(k is not None for k in keys) else None
+    parallel = None if crossing is None else constants([tuple(s is not None for s in crossing[0])])
+    subclasses = None if crossing is None or not any(crossing[1]) else crossing[1]
+    holders = dicts, every = _holders(block, names)
     buffers = len(names) - len(tuple(nn.Module.named_parameters(block)))  # ``names`` lists them last (``_tensor_names``)
 
     def inline(entries, args, kwargs):
@@ -260,34 +277,35 @@ def _regional_forward(block: nn.Module, region, names, pass_block: bool, pairs: 
         if entries is None:
             return own(*args, **kwargs)
         built = {j: materialized(entry) for j, entry in enumerate(entries) if entry is not None}
-        return call_with(own, {j: (holders[j],) for j in built}, built, args, kwargs)
+        return call_with(own, holders, built, args, kwargs)
 
     def forward(*args, **kwargs):
         pieces = STEP.pieces
         entries = None
-        if keys and pieces is not None:
-            entries = tuple([None if k is None else pieces.get(k) for k in keys])
+        if deferred is not None and pieces is not None:
+            entries = tuple([None if k is None else pieces.get(k) for k in deferred(0)])
             if not any(e is not None for e in entries):
                 entries = None
         if not (STEP.active and STEP.regions):
             return inline(entries, args, kwargs)
-        if pairs and _written_apart(pairs):  # the template's trace would run with the template's values
+        if pairs and _written_apart(*pairs):  # the template's trace would run with the template's values
             return inline(entries, args, kwargs)
         # the unsharded tensors that traced_forward's call_with put in place, as the region's inputs
-        tensors = tuple([held[key] for held, key in holders])
-        if crossing is not None:  # DTensor and subclass parameters go in flattened (``boundary``)
-            tensors = boundary.flattened(tensors, *crossing, _direct(entries, crossing[1]))
+        tensors = tuple([dicts[k][key] for _, k, key in every(0)])
+        if parallel is not None:  # DTensor and subclass parameters go in flattened (``boundary``)
+            tensors = boundary.flattened(tensors, parallel(0), subclasses, _direct(entries, subclasses))
             if tensors is None:
                 return inline(entries, args, kwargs)
         if pass_block:
             return region(block, tensors, *args, **kwargs)
         spec, operands = _flatten_call(tensors, args, kwargs)
-        if boundary.symbolic_dtensor_call(operands, dtensors):
+        # a block's parameters are DTensors only where ``crossing`` says (``dtensors``), its buffers may be
+        if boundary.symbolic_dtensor_call(operands[len(tensors) - buffers:], dtensors):
             return inline(entries, args, kwargs)  # dynamic shapes: a layout's shape cannot be a constant of the region
         if spec is not None:  # DTensor activations and buffers (torchtitan's RoPE cache) go in as local tensors
             operands, named = boundary.activations_flattened(operands, len(tensors) - buffers)
             spec = f"{spec}#{named}" if named else spec
-        key = boundary.call_key(made, spec, operands, dtensors)
+        key = boundary.call_key(made, spec, operands[len(tensors):], dtensors)
         return boundary.outputs_rebuilt(region(spec, *operands), key)
 
     forward.fsdp_compile_region = region
