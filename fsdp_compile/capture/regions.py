@@ -216,13 +216,13 @@ _LINEAR_SHAPE = frozenset({"in_features", "out_features"})
 
 
 def _attribute_pairs(block: nn.Module, template: nn.Module) -> tuple:
-    """``(submodules of block, the template's, their plain attributes' names)`` for every submodule of the block
-    that has plain attributes (but ``_FLAGS``, and a Linear's ``_LINEAR_SHAPE``), or ``()`` where none has. The
-    names come through ``capture.forward.constants`` (unguarded: a name Dynamo read off the tuple was guarded,
-    as was each tuple's structure; with ``_LINEAR_SHAPE``, a TP Llama block's comparisons went from 94 guards
-    to 34). Each submodule
-    appears once: Dynamo guards that every path by which it meets one object leads to that object, so one
-    entry per attribute cost about 100 such guards per block."""
+    """``(submodules of block, the template's, their attributes)`` for ``_written_apart``: every submodule of the
+    block that has plain attributes (but ``_FLAGS``, and a Linear's ``_LINEAR_SHAPE``), or ``()`` where none has.
+    The attributes come through ``capture.forward.constants`` as ``(index of the submodule, name)``, unguarded: a
+    name Dynamo read off a tuple was guarded, as was each tuple's structure (with ``_LINEAR_SHAPE``, a TP Llama
+    block's comparisons went from about 94 guards to 34). Each submodule appears once: Dynamo guards that every
+    path by which it meets one object leads to that object, so one entry per attribute cost about 100 such
+    guards per block."""
     subs, mines, templates, names = dict(nn.Module.named_modules(template)), [], [], []
     for path, sub in nn.Module.named_modules(block):
         skip = _FLAGS | _LINEAR_SHAPE if isinstance(sub, nn.Linear) else _FLAGS
