@@ -392,5 +392,5 @@ def _container(spec: pytree.TreeSpec) -> str:
 def attach_args(local: Tensor, outputs: list[Tensor], metadata, handle: Tensor, param_dtype: torch.dtype, spec,
                 fqn: str) -> tuple:
     """``Attach``'s arguments: the parameter ``fsdp_post_all_gather`` rebuilds from the gathered ``outputs``, trimmed
-    to its size (``spec``: its ``ExtensionSpec``), with its gradient going to ``handle``."""
+    to its size (``spec``: its ``ExtensionSpec``, or ``capture.forward.Rebuilt``), with its gradient going to ``handle``."""
     return local, list(outputs), metadata, handle, param_dtype, tuple(spec.orig_size), tuple(spec.contiguous_stride), fqn

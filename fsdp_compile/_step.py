@@ -105,7 +105,7 @@ def traced_step(model, plan, schedule, kernels, key: tuple, deferred: dict[str, 
     deferred, places = capture.constants({fqn: deferred.get(fqn) for fqn in places}), capture.place_table(places)
 
     def step(shards, sinks, accumulated, partials, extensions, *args, **kwargs):
-        return capture.traced_forward(model, constant, key, places, deferred, shards, sinks, accumulated, partials,
+        return capture.traced_forward(model, constant, places, deferred, shards, sinks, accumulated, partials,
                                       extensions, args, kwargs)
 
     return step

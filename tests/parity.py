@@ -201,6 +201,14 @@ def max_diff(xs, ys) -> float:
     return d
 
 
+def step_guards(compiled) -> str:
+    """The guards of a compiled model's one compiled step, as Dynamo prints them."""
+    (step,) = compiled._steps.values()
+    (fn,) = step._compiled.values()
+    (entry,) = torch._dynamo.eval_frame._debug_get_cache_entry_list(fn._torchdynamo_orig_callable.__code__)
+    return str(entry.guard_manager)
+
+
 def record_step(out: dict, eager, model, opts) -> None:
     """The end of one optimizer step of eager FSDP2 (``eager``) and the compiled model's ``model`` side by
     side: the largest gradient difference, every optimizer's step, then the largest parameter difference."""

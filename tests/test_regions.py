@@ -17,6 +17,7 @@ from fsdp_compile._torch._invoke_subgraph import GUARDED_REUSE
 from fsdp_compile.passes.regions import SYMBOLIC_FLOAT
 from fsdp_compile.report import count_collectives
 from models import Llama, LlamaArgs, shard
+from parity import step_guards
 
 _invoke_subgraph = torch.ops.higher_order.invoke_subgraph
 
@@ -738,14 +739,6 @@ def test_tp_blocks_share_a_region(gloo_world_1):
             assert torch.equal(p.grad.to_local(), q.grad.to_local())
 
 
-def _step_guards(compiled) -> str:
-    """The guards of a compiled model's one compiled step, as Dynamo prints them."""
-    (step,) = compiled._steps.values()
-    (fn,) = step._compiled.values()
-    (entry,) = torch._dynamo.eval_frame._debug_get_cache_entry_list(fn._torchdynamo_orig_callable.__code__)
-    return str(entry.guard_manager)
-
-
 def test_what_a_tp_llama_step_guards(gloo_world_1):
     """A compiled step guards each block's own state (its shards, the dicts its parameters are swapped into, the
     attributes its region's trace may read), not what is fixed for the life of its code object: the parameters'
@@ -769,7 +762,7 @@ def test_what_a_tp_llama_step_guards(gloo_world_1):
         x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
         with loss_parallel():
             torch.nn.functional.cross_entropy(compiled(x).flatten(0, 1), x.flatten()).backward()
-        guards.append(_step_guards(compiled))
+        guards.append(step_guards(compiled))
         assert compiled.regions()[0]["region"]
     for constant in ("== 'layers.", "== 'training'", "== 'eps'", "in_features"):  # names
         assert constant not in guards[1], [line for line in guards[1].splitlines() if constant in line][:3]

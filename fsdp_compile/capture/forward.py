@@ -35,11 +35,12 @@ class UnitTrace(NamedTuple):
     Llama at 16 layers, Dynamo's profiler)."""
 
     arguments: str  # its encoded ``UnshardArgs`` (``unshard_args``), a constant of the graph
-    params: tuple[ParamPlan, ...]  # ``unit_params``: the parameters its op takes and returns, in order
+    params: tuple  # ``unit_params``: the ParamPlans its op takes and returns (``trace_constants``: ``Rebuilt``s)
     fqns: tuple[str, ...]
     parallel: tuple | None  # per parameter, its TP/EP spec (``ParamPlan.parallel``); None where no parameter has one
     members: tuple[str, ...]
     param_dtype: torch.dtype | None
+    layouts: tuple | None  # the step's key for it: per parameter its all-gather extension's ``Layout``; or None
 
 
 class Deferred(NamedTuple):
@@ -48,7 +49,8 @@ class Deferred(NamedTuple):
     built by the block's forward where it runs inline (``materialized``)."""
 
     attach: tuple  # ``_extensions.Attach``'s arguments
-    parallel: object  # ``ParamPlan.parallel``: its TP spec, or None
+    parallel: object  # ``ParamPlan.parallel``: its TP spec, or None (its mesh: ``mesh``)
+    mesh: object
     members: tuple[str, ...]  # its unit's FSDP modules, and the unit's index: the unshard annotation
     unit: int
 
@@ -57,7 +59,7 @@ def materialized(entry: Deferred) -> torch.Tensor:
     """The unsharded parameter ``traced_forward`` would have built of ``entry``, for its block's own forward."""
     with annotate(UNSHARD, entry.members, entry.unit):
         t = _extensions.Attach.apply(*entry.attach)
-        return t if entry.parallel is None else _as_dtensor(t, entry.parallel, entry.parallel.mesh)
+        return t if entry.parallel is None else _as_dtensor(t, entry.parallel, entry.mesh)
 
 
 def unit_traces(plan: ShardingPlan, schedule: Schedule, kernels: str, key: tuple) -> list[UnitTrace]:
@@ -69,6 +71,7 @@ def unit_traces(plan: ShardingPlan, schedule: Schedule, kernels: str, key: tuple
         out.append(UnitTrace(
             unshard_args(plan, unit, i, kernels, key[i]).encode(), params, tuple(p.fqn for p in params),
             parallel if any(x is not None for x in parallel) else None, unit.members, plan.group(unit.members[0]).param_dtype,
+            key[i],
         ))
     return out
 
@@ -96,50 +99,76 @@ class TraceConstants(NamedTuple):
     """What ``traced_forward`` reads of the schedule's units. Every value Dynamo reads of an input is guarded:
     each parameter's name and its TP layout's placements, shape and stride cost about 140 of a TP Llama block's
     400 guards, built at every compile and checked at every call. ``units(i)``: unit ``i``'s ``UnitTrace``
-    through ``constants``, without its ``params`` and with each TP spec's mesh as its index in ``meshes``: a
-    mesh crosses into the graph as an input (an opaque object), whose source a region's reuse must resolve, so
-    the meshes stay guarded, once each. ``params[i]``: its ``ParamPlan``s, guarded, read only for a unit with
-    all-gather extensions (their specs hold modules and meshes)."""
+    through ``constants``, with each TP spec's mesh as its index in ``meshes`` (a mesh crosses into the graph
+    as an input, an opaque object whose source a region's reuse must resolve, so the meshes stay guarded, once
+    each), and as its ``params`` the ``Rebuilt`` of each all-gather extension parameter (None for the others),
+    or () in a unit without one."""
 
     units: Callable[[int], UnitTrace]
     meshes: tuple
-    params: tuple[tuple[ParamPlan, ...], ...]
+
+
+class Rebuilt(NamedTuple):
+    """What ``traced_forward`` reads of a parameter that ``fsdp_post_all_gather`` rebuilds (its ``ParamPlan``,
+    whose ``ExtensionSpec`` holds modules and meshes: guarded, about 90 guards a float8 Llama block)."""
+
+    fqn: str
+    orig_dtype: torch.dtype
+    orig_size: tuple[int, ...]
+    contiguous_stride: tuple[int, ...]
 
 
 def trace_constants(units: list[UnitTrace]) -> TraceConstants:
     """``TraceConstants`` of a step's ``unit_traces``."""
-    meshes: list = []
+    meshes = _Interned()
 
     def indexed(spec):
-        if spec is None:
-            return None
-        k = next((k for k, m in enumerate(meshes) if m is spec.mesh), len(meshes))
-        if k == len(meshes):
-            meshes.append(spec.mesh)
-        return dataclasses.replace(spec, mesh=k)
+        return None if spec is None else dataclasses.replace(spec, mesh=meshes.index(spec.mesh))
 
-    table = [u._replace(params=(), parallel=None if u.parallel is None else tuple(map(indexed, u.parallel)))
+    def rebuilt(p: ParamPlan):
+        e = p.extension
+        if e is None:
+            return None
+        return Rebuilt(p.fqn, p.orig_dtype, tuple(e.orig_size), tuple(e.contiguous_stride))
+
+    table = [u._replace(params=tuple(map(rebuilt, u.params)) if any(p.extension is not None for p in u.params) else (),
+                        parallel=None if u.parallel is None else tuple(map(indexed, u.parallel)))
              for u in units]
-    return TraceConstants(constants(table), tuple(meshes), tuple(u.params for u in units))
+    return TraceConstants(constants(table), tuple(meshes.values))
+
+
+class _Interned:
+    """Distinct objects by identity, each once in order of first sight: ``index(x)`` is ``x``'s place in
+    ``values``, appended if new."""
+
+    def __init__(self):
+        self.values: list = []
+        self._at: dict[int, int] = {}
+
+    def index(self, x) -> int:
+        k = self._at.setdefault(id(x), len(self.values))
+        if k == len(self.values):
+            self.values.append(x)  # held here, so its id() is not reused while the index lives
+        return k
 
 
 def traced_forward(
-    model: nn.Module, constant: TraceConstants, key: tuple, places: tuple, deferred,
+    model: nn.Module, constant: TraceConstants, places: tuple, deferred,
     shards: list[list[torch.Tensor]], sinks: list[list], accumulated: list[list], partials: list[tuple[list, list]],
     extensions: list[list], args, kwargs
 ):
     """The function Dynamo captures: one ``fsdp_compile::unshard`` per unit of the schedule (``shards[i]``:
     the local shards of unit ``i``'s parameters, whose op arguments were encoded before tracing: ``constant``,
     ``trace_constants``); ``sinks[i]`` / ``accumulated[i]``: gradient accumulation without sync, ``partials[i]``:
-    HSDP's without all-reduce (its partial sinks, its partials), see the op; ``key[i]`` /
-    ``extensions[i]``: its all-gather extensions, ``_extensions.prepare``), then the model on the full
+    HSDP's without all-reduce (its partial sinks, its partials), see the op; ``extensions[i]``: its all-gather
+    extensions' tensors, ``_extensions.prepare``, their layouts the unit's ``layouts``), then the model on the full
     parameters (``places``: ``place_table``). An extension parameter to which ``deferred`` gives a key
     (``constants`` by name: the key or None; ``regions.install_regions``) is not built here, with regions on: its
     block's forward finds what it is built of in ``STEP.pieces``, under that key."""
     full, pieces, regions, meshes = {}, {}, STEP.regions, constant.meshes
     for i, unit_shards in enumerate(shards):
         unit = constant.units(i)
-        if key[i] is None:
+        if unit.layouts is None:
             gathered = torch.ops.fsdp_compile.unshard(unit_shards, sinks[i], accumulated[i], *partials[i], [], unit.arguments)
             if unit.parallel is None:
                 for fqn, t in zip(unit.fqns, gathered):
@@ -148,29 +177,31 @@ def traced_forward(
                 for fqn, spec, t in zip(unit.fqns, unit.parallel, gathered):
                     full[fqn] = t if spec is None else _as_dtensor(t, spec, meshes[spec.mesh])
             continue
-        selves, payloads, metadatas = _extensions.split(extensions[i], key[i])
+        selves, payloads, metadatas = _extensions.split(extensions[i], unit.layouts)
         outs = iter(torch.ops.fsdp_compile.unshard(unit_shards, sinks[i], accumulated[i], *partials[i], payloads,
                                                    unit.arguments))
         with annotate(UNSHARD, unit.members, i):  # part of the unit's unshard chain (re-gathered for reshard_after_forward)
-            for p, layout in zip(constant.params[i], key[i]):
+            specs = unit.parallel or (None,) * len(unit.fqns)
+            for fqn, p, spec, layout in zip(unit.fqns, unit.params, specs, unit.layouts):
+                mesh = None if spec is None else meshes[spec.mesh]
                 if layout is None:
                     t = next(outs)
                 else:
                     outputs = [next(outs) for _ in range(layout.n_inputs)]
                     attach = _extensions.attach_args(
-                        selves.pop(0), outputs, metadatas.pop(0), next(outs), unit.param_dtype or p.orig_dtype, p.extension, p.fqn)
-                    deferred_key = deferred(p.fqn) if regions else None
+                        selves.pop(0), outputs, metadatas.pop(0), next(outs), unit.param_dtype or p.orig_dtype, p, fqn)
+                    deferred_key = deferred(fqn) if regions else None
                     if deferred_key is not None:
-                        pieces[deferred_key] = Deferred(attach, p.parallel, unit.members, i)
+                        pieces[deferred_key] = Deferred(attach, spec, mesh, unit.members, i)
                         # None in its place (nothing but its block's forward reads it, which builds it if it runs
                         # inline): the sharded parameter left there had the region's trace guard on its inner tensors
                         # (``_reparametrize_module`` reads what it swaps), which precomputed float8 scales change
-                        full[p.fqn] = None
+                        full[fqn] = None
                         continue
                     t = _extensions.Attach.apply(*attach)
                 # a TP parameter's rebuilt local tensor (torchao's Float8TrainingTensor) as its TP DTensor, as FSDP2's
                 # init_unsharded_param wraps what fsdp_post_all_gather returns
-                full[p.fqn] = t if p.parallel is None else _as_dtensor(t, p.parallel, p.parallel.mesh)
+                full[fqn] = t if mesh is None else _as_dtensor(t, spec, mesh)
     if not pieces:
         return call_with(model, places, full, args, kwargs)
     previous, STEP.pieces = STEP.pieces, pieces
@@ -213,15 +244,9 @@ def place_table(places: dict) -> tuple[tuple[dict, ...], Callable]:
     """``parameter_places``' places as ``call_with`` takes them: the dicts that hold the parameters, each once, and
     every place as ``(name, index of its dict, key)``, through ``constants``. Dynamo guards each dict (the step
     writes into it) but not the names and tuples around it: 5 of the 7 guards a parameter's place cost."""
-    dicts: list[dict] = []
-    every = []
-    for name, held in places.items():
-        for d, key in held:
-            k = next((k for k, x in enumerate(dicts) if x is d), len(dicts))
-            if k == len(dicts):
-                dicts.append(d)
-            every.append((name, k, key))
-    return tuple(dicts), constants([tuple(every)])
+    dicts = _Interned()
+    every = tuple((name, dicts.index(d), key) for name, held in places.items() for d, key in held)
+    return tuple(dicts.values), constants([every])
 
 
 def call_with(model, places: tuple, tensors: dict, args, kwargs):
