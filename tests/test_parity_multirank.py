@@ -63,9 +63,13 @@ CASES_4 = [
     # reduced in bf16 (where a different summation order would show), regions on and off; planned with
     # cpu-gloo's communication free, where the split pays on this model (with its contention share it does not)
     Case(mp="bf16_reduce_bf16", bucket="auto", reorder=True, inline=True, hardware=FREE_OVERLAP),
-    # replicate on 4 ranks, batch shapes differing per rank: fp32; checkpointed blocks in bf16 with accumulation
+    # replicate on 4 ranks, batch shapes differing per rank: fp32; checkpointed blocks in bf16 with accumulation,
+    # in FSDP2's all-reduce buffers: bucket="auto" puts every module in one, and on 4 ranks gloo's ring all-reduce
+    # sums each element in an order its offset in the buffer sets, so auto is bitwise only where those sums are
+    # exact (it was on an Intel Xeon; on an AMD EPYC, 9.3e-10 off in the second step's gradients). auto's layout is
+    # checked bitwise on 2 ranks above and within 1e-8 on 4 (test_setters_multirank.py::test_replicate_accumulation)
     Case(ddp="all", ragged=True),
-    Case(model="llama_ac", ddp="all", mp="bf16", accum=2, bucket="auto", reorder=True, ragged=True),
+    Case(model="llama_ac", ddp="all", mp="bf16", accum=2, reorder=True, ragged=True),
 ]
 
 
