@@ -177,7 +177,7 @@ def test_float8_only_modules_run_where_eager_fsdp2_cannot(results):
 def test_what_a_float8_step_guards(results):
     """What a step reads of each float8 weight's plan (its name, its ``ExtensionSpec``: size, stride, module,
     policy) and of its layout in the step's key is fixed for the life of the step, so read as a constant
-    (``capture.trace_constants``), not guarded: 159 of the 378 guards each float8 block cost a one-rank step."""
+    (``capture.trace_constants``), not guarded: 159 of the 378 guards each float8 block cost (one rank)."""
     for r in results:
         for name in CASES:
             assert r[name]["guarded"] == dict.fromkeys(GUARDED, 0), (name, r[name]["guarded"])
