@@ -113,7 +113,6 @@ class Rebuilt(NamedTuple):
     whose ``ExtensionSpec`` holds modules and meshes: read guarded, with the key's layouts, 159 of the 378 guards
     each block of a float8 Llama cost on one rank)."""
 
-    fqn: str
     orig_dtype: torch.dtype
     orig_size: tuple[int, ...]
     contiguous_stride: tuple[int, ...]
@@ -130,9 +129,9 @@ def trace_constants(units: list[UnitTrace]) -> TraceConstants:
         e = p.extension
         if e is None:
             return None
-        return Rebuilt(p.fqn, p.orig_dtype, tuple(e.orig_size), tuple(e.contiguous_stride))
+        return Rebuilt(p.orig_dtype, tuple(e.orig_size), tuple(e.contiguous_stride))
 
-    table = [u._replace(params=tuple(map(rebuilt, u.params)) if any(p.extension is not None for p in u.params) else (),
+    table = [u._replace(params=() if u.layouts is None else tuple(map(rebuilt, u.params)),
                         parallel=None if u.parallel is None else tuple(map(indexed, u.parallel)))
              for u in units]
     return TraceConstants(constants(table), tuple(meshes.values))
