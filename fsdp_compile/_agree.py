@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _get_process_group_store
 
+from fsdp_compile._quote import quoted
+
 _PREFIX = "fsdp_compile/agree"
 _FIX = (
     "every rank must call fsdp_compile.compile(model) and then the compiled model for every step, together "
@@ -81,12 +83,11 @@ class _Round:
             self.store.set(f"{self.prefix}/gave_up", str(me))  # a rank that comes later raises too
         except RuntimeError:  # the store itself is gone (its host rank stopped)
             missing = [self._global(r) for r in range(self.world) if r != self.me]
-        said = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
         raise RuntimeError(
             f"fsdp_compile: rank {me} waited {waited:.0f} s (the process group's timeout) for rank(s) {missing} to "
             f"agree on {self.what}, and they never reached fsdp_compile.compile or the compiled model's first call: "
             f"they are running something else (the eager model, another collective) or have stopped; {_FIX} "
-            f"(the store: {said})"
+            f"(the store: {quoted(error, 200)})"
         ) from None
 
     def _global(self, group_rank: int) -> int:

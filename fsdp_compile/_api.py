@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from fsdp_compile import _cudagraphs, _extensions, _fsdp2, _gc, capture
 from fsdp_compile._agree import agree_max
+from fsdp_compile._quote import quoted
 from fsdp_compile._step import Step, traced_step
 from fsdp_compile._torch._gloo import warn_if_racy_gloo
 from fsdp_compile.backend import CapturedGraphs, make_backend
@@ -338,9 +339,8 @@ def _named_collective_failures():
                    "doesn't match", "connection reset", "Connection reset", "DistBackendError")
         if not dist.is_initialized() or not any(m in text or m in type(e).__name__ for m in markers):
             raise
-        first = text.strip().splitlines()[0][:300] if text.strip() else type(e).__name__
         raise RuntimeError(
-            f"fsdp_compile: a collective of the compiled step failed on rank {dist.get_rank()} ({first}). The "
+            f"fsdp_compile: a collective of the compiled step failed on rank {dist.get_rank()} ({quoted(e)}). The "
             "ranks most likely diverged: every rank must call the compiled model for every step, with the same "
             "model and config, and none may have stopped; the first rank to fail says why (docs/troubleshooting.md)"
         ) from e

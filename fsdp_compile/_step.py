@@ -19,6 +19,7 @@ import warnings
 import torch.nn as nn
 
 from fsdp_compile import capture
+from fsdp_compile._quote import quoted
 from fsdp_compile.passes import Schedule
 from fsdp_compile.plan import ShardingPlan
 
@@ -87,9 +88,9 @@ class Step:
 
 def _first_words(e: Exception) -> str:
     """What a failed trace says first, with Dynamo's own account of the exception where it gives one."""
-    lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
-    context = [line for line in lines if line.startswith("Developer debug context:")]
-    return "; ".join(lines[:1] + [c.removeprefix("Developer debug context: ") for c in context[:1]])
+    said = "Developer debug context: "
+    context = next((line.strip()[len(said):] for line in str(e).splitlines() if line.strip().startswith(said)), "")
+    return f"{quoted(e)}; {context}" if context else quoted(e)
 
 
 def traced_step(model, plan, schedule, kernels, key: tuple, deferred: dict[str, int]):

@@ -369,3 +369,14 @@ def test_compile_creates_the_dump_dir(tmp_path, monkeypatch):
             fc.compile(llama())
     assert (tmp_path / "a" / "dump").is_dir() and (tmp_path / "b" / "dump").is_dir()
     assert not list((tmp_path / "a" / "dump").iterdir())  # the probe file is gone
+
+
+def test_our_messages_quote_another_librarys_error_by_its_first_line():
+    """What our errors quote of Dynamo's, gloo's or NCCL's (``fsdp_compile._quote.quoted``): the type and the first
+    line that says something, cut to a limit; the type alone where the error says nothing."""
+    from fsdp_compile._quote import quoted
+
+    assert quoted(RuntimeError("\n  [gloo] Timed out  \nframe 1\nframe 2")) == "RuntimeError: [gloo] Timed out"
+    assert quoted(ValueError("x" * 500), 200) == "ValueError: " + "x" * 200
+    assert quoted(KeyError()) == "KeyError"
+    assert quoted(RuntimeError(" \n ")) == "RuntimeError"

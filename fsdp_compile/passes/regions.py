@@ -37,6 +37,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from fsdp_compile._quote import quoted
 from fsdp_compile._torch._invoke_subgraph import ATEN_FORMS, RETURNS_SUBCLASS
 
 _INVOKE_SUBGRAPH = torch.ops.higher_order.invoke_subgraph
@@ -271,7 +272,7 @@ def _why_not(body: fx.GraphModule, fake_mode) -> str | None:
     try:
         _, written, random = _analyse(body, fake_mode)
     except Exception as e:  # noqa: BLE001  what cannot be analysed is not trusted: inline is always right
-        return f"{UNANALYSED}: {type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
+        return f"{UNANALYSED}: {quoted(e, 200)}"
     return _verdict(written, random)
 
 
