@@ -136,7 +136,8 @@ def _is_backward(graph: torch.fx.Graph) -> bool:
 # (the attention kernel, the casts). Measured on torchtitan's DeepSeek-V3, whose attention enters sdpa_kernel and
 # whose MoE router leaves autocast: "Bypassing autograd cache due to: Unsupported call_function target", so
 # every warm start traced the whole step again. Keyed by the torch version that defines them.
-# Also Dynamo's trampoline for an autograd Function in the graph, which _torch/_aot_cache.py keys by the Function.
+# Also Dynamo's trampoline for an autograd Function in the graph, which _torch/_aot_cache.py keys by the Function,
+# and the value classes a graph constructs (_aot_cache.value_classes: torchao's float8 configs), per graph.
 CACHE_SAFE_FUNCTIONS = {
     name: torch.__version__
     for name in ("torch.nn.attention._backend_from_string", "torch.nn.attention._sdpa_kernel",
@@ -222,7 +223,7 @@ def make_backend(
             # fixes that). It also undoes our prefetches. Our schedule plans memory itself.
             patches["reorder_for_peak_memory"] = False
             patches["unsafe_marked_cacheable_functions"] = {**torch._inductor.config.unsafe_marked_cacheable_functions,
-                                                            **CACHE_SAFE_FUNCTIONS}
+                                                            **CACHE_SAFE_FUNCTIONS, **_aot_cache.value_classes(gm)}
             if config.dump_dir:
                 patches["fx_graph_cache"] = False  # a cache hit would skip the passes that write the dump
             if gate is not None:

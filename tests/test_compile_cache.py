@@ -10,10 +10,13 @@ two ranks: a cold one, then one whose rank 0 restarts on its own cache and whose
 empty cache with rank 0's artifacts.
 """
 
+import collections
+import dataclasses
 import json
 import os
 import subprocess
 import sys
+import typing
 
 import pytest
 
@@ -163,20 +166,23 @@ loss = loss.float().logsumexp(-1).mean()
 loss.backward()
 grads = [p.grad.to_local().double().square().sum().item() for p in model.parameters()]
 print("RESULT " + json.dumps({"aot": {k: v for k, v in counters["aot_autograd"].items() if "cache" in k},
-                              "loss": loss.item(), "grads": grads, "records": len(compiled.captured.records)}))
+                              "loss": loss.item(), "grads": grads, "records": len(compiled.captured.records),
+                              "regions": any(r["region"] for r in compiled.regions())}))
 """
 
 
-def test_restarts_of_graphs_with_autograd_functions_and_meshes_are_served(tmp_path):
+@pytest.mark.parametrize("n_layers", [1, 2], ids=["inline", "region"])
+def test_restarts_of_graphs_with_autograd_functions_and_meshes_are_served(tmp_path, n_layers):
     """AOTAutograd's cache serves the warm restart of a graph that calls autograd Functions (torchao's float8
-    matmul; the region boundary's DTensor crossings) and takes DeviceMeshes (TP): torch 2.13 cannot key either
-    (``_torch/_aot_cache.py``), so such restarts traced and partitioned the step again. One model holds all
-    three (float8 x TP on a 1 x 1 mesh). One process (gloo, world size 1: real numbers), so not ``multirank``:
-    it runs beside the rank groups, not after them. Inductor; the restart computes what the cold run computed,
-    bit for bit."""
+    matmul; the region boundary's DTensor crossings), takes DeviceMeshes (TP) and, where a float8 block runs
+    inline (one layer: no region), constructs torchao's float8 configs (NamedTuples, frozen dataclasses): torch
+    2.13 cannot key any of them (``_torch/_aot_cache.py``), so such restarts traced and partitioned the step
+    again. One model holds them all (float8 x TP on a 1 x 1 mesh). One process (gloo, world size 1: real numbers),
+    so not ``multirank``: it runs beside the rank groups, not after them. Inductor; the restart computes what the
+    cold run computed, bit for bit."""
     pytest.importorskip("torchao.float8", reason="torchao (the test extra) is not installed")
     script = tmp_path / "one_rank.py"
-    script.write_text(ONE_RANK)
+    script.write_text(ONE_RANK.replace("n_layers=2", f"n_layers={n_layers}"))
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache"), "TORCHINDUCTOR_COMPILE_THREADS": "1"}
     runs = []
     for job in ("cold", "warm"):
@@ -188,6 +194,7 @@ def test_restarts_of_graphs_with_autograd_functions_and_meshes_are_served(tmp_pa
     assert cold["aot"].get("autograd_cache_saved", 0) >= 1 and not cold["aot"].get("autograd_cache_bypass"), cold
     assert warm["aot"].get("autograd_cache_hit", 0) >= 1 and not warm["aot"].get("autograd_cache_bypass"), warm
     assert (warm["loss"], warm["grads"]) == (cold["loss"], cold["grads"]) and warm["records"] == cold["records"] == 2
+    assert warm["regions"] == cold["regions"] == (n_layers > 1), (cold, warm)
 
 
 def test_autograd_function_and_mesh_keys():
@@ -229,3 +236,41 @@ def test_autograd_function_and_mesh_keys():
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         key = _aot_cache._mesh_key(mesh)
         assert key[:5] == ("DeviceMesh", "cpu", (2, 2), [0, 1, 2, 3], ("dp", "tp")) and len(key[5]) == 2, key
+
+
+class _Pair(typing.NamedTuple):
+    a: int
+    b: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Frozen:
+    a: int
+
+
+@dataclasses.dataclass
+class _Mutable:
+    a: int
+
+
+def test_value_classes_a_graph_constructs_are_keyed():
+    """The classes ``_aot_cache.value_classes`` names for AOTAutograd's node check (torchao's ``ScaledMMConfig``,
+    ``LinearMMConfig``, ``CastConfig`` in an inline float8 block): NamedTuples and frozen dataclasses, in subgraphs
+    too, each keyed by its source; not a mutable dataclass or any other class, whose instance could change after
+    it is built."""
+    import torch
+    import torch.fx as fx
+
+    from fsdp_compile._torch import _aot_cache
+
+    inner = fx.Graph()
+    inner.output(inner.call_function(_Frozen, (1,)))
+    graph = fx.Graph()
+    for cls in (_Pair, _Mutable, collections.OrderedDict):
+        graph.call_function(cls, (1, 2) if cls is _Pair else ())
+    graph.output(graph.get_attr("sub"))  # a subgraph, as a region's body is held
+    root = torch.nn.Module()
+    root.sub = fx.GraphModule(torch.nn.Module(), inner)
+    named = _aot_cache.value_classes(fx.GraphModule(root, graph))
+    assert sorted(named) == [f"{__name__}._Frozen", f"{__name__}._Pair"], named
+    assert named[f"{__name__}._Pair"] == _aot_cache._class_key(_Pair) and __name__ in named[f"{__name__}._Pair"]

@@ -16,7 +16,14 @@
   so a warm start missed. Keyed here by what a compiled graph depends on: device type, shape, ranks, dimension
   names and each dimension's process group name (the names the graph's collectives name).
 
-``keys()`` patches both only while our backend compiles; ``MARKED`` is the name AOTAutograd's node check
+* **A value class constructed in the graph** (a NamedTuple or a frozen dataclass: torchao's float8 Linear builds
+  its ``ScaledMMConfig``, ``LinearMMConfig`` and ``CastConfig`` there wherever it runs outside a region): "Bypassing
+  autograd cache due to: Unsupported call_function target <class '...ScaledMMConfig'>", so every warm start of a
+  float8 model with a block compiled inline traced and partitioned the step again. Such a class only holds its
+  (constant, so keyed) arguments, and AOTAutograd traces through it: ``value_classes`` names each for the node
+  check, keyed by its source and its package's version, as a Function is.
+
+``keys()`` patches the first two only while our backend compiles; ``MARKED`` is the name AOTAutograd's node check
 reads for the trampoline (``torch._inductor.config.unsafe_marked_cacheable_functions``, set by the backend).
 Checked on 2.13.0 (``tests/test_compile_cache.py``). Goes when Dynamo names its trampolines importably (or
 keys the Function itself) and DeviceMesh pickles the same in every process.
@@ -25,6 +32,7 @@ keys the Function itself) and DeviceMesh pickles the same in every process.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import inspect
@@ -61,7 +69,7 @@ def _class_key(cls: type) -> str:
     try:
         source = inspect.getsource(cls)
     except (OSError, TypeError) as e:  # AOTAutograd turns a pickling error into a bypass, as before
-        raise pickle.PicklingError(f"autograd Function {cls.__qualname__}: no source to key it by ({e})") from e
+        raise pickle.PicklingError(f"{cls.__qualname__}: no source to key it by ({e})") from e
     # a class made per use holds its constants in a closure, which its source does not show: it names them
     # (``capture.boundary``'s crossings: the subclass's flatten context)
     source += getattr(cls, "fsdp_compile_key", "")
@@ -69,6 +77,25 @@ def _class_key(cls: type) -> str:
     package = sys.modules.get(cls.__module__.partition(".")[0])  # torchao: its version keys what the class calls
     version = getattr(package, "__version__", "")
     return f"{cls.__module__}.{cls.__qualname__} {digest} {version}"
+
+
+def value_classes(gm: torch.fx.GraphModule) -> dict[str, str]:
+    """The NamedTuples and frozen dataclasses that ``gm`` (or a subgraph of it) constructs, each as AOTAutograd's
+    node check names it (``torch._inductor.config.unsafe_marked_cacheable_functions``) with its key; a class
+    whose source cannot be read is left out (it bypasses, as before)."""
+    out = {}
+    for module in gm.modules():
+        graph = getattr(module, "graph", None)
+        for node in graph.nodes if isinstance(graph, torch.fx.Graph) else ():
+            cls = node.target
+            if node.op != "call_function" or not isinstance(cls, type):
+                continue
+            named_tuple = issubclass(cls, tuple) and hasattr(cls, "_fields")
+            frozen = dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen
+            if named_tuple or frozen:
+                with contextlib.suppress(pickle.PicklingError):
+                    out[f"{cls.__module__}.{cls.__name__}"] = _class_key(cls)
+    return out
 
 
 def _mesh_key(mesh) -> tuple:
