@@ -39,6 +39,7 @@ def test_explain_counts_like_eager(world_size):
     assert "9 all-gathers" in report.to_markdown() and '"reduce_scatters": 5' in report.to_json()
 
 
+@pytest.mark.slow  # out of the fast tier (its budget); the full suite runs it
 def test_explain_keeps_no_readable_stages(monkeypatch):
     """``explain`` returns only the report, so it writes no readable graph (each graph's stages cost 42 ms per
     layer of Llama-3 70B's explain in float8 x TP); ``explain_with_graphs``, which dumps use, keeps them, and
@@ -82,6 +83,7 @@ def _installed(model):
             for name, m in model.named_modules()]
 
 
+@pytest.mark.slow  # out of the fast tier (its budget); the full suite runs it
 def test_explain_leaves_state_alone():
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
@@ -453,6 +455,7 @@ def test_explain_fills_estimates():
     assert [g["kind"] for g in report.graphs] == ["forward", "backward"]
 
 
+@pytest.mark.slow  # out of the fast tier (its budget); the full suite runs it
 def test_hardware_takes_a_profile_of_your_own():
     """``hardware=`` a ``HardwareProfile``: the plan is made from its numbers and the report names it; the same
     numbers as a built-in profile plan the same schedule, a slower link a slower predicted step."""

@@ -74,6 +74,7 @@ def test_torch_trace_holds_our_artifacts(dump):
         assert name in logs
 
 
+@pytest.mark.slow  # out of the fast tier (its budget); the full suite runs it
 def test_report_rerenders_a_dump(dump, tmp_path):
     out, _, _ = dump
     before = (out / "report.md").read_text()

@@ -344,6 +344,7 @@ def _float8_llama(n_layers: int, hook, **attributes):
     return shard(model, list(model.layers))
 
 
+@pytest.mark.slow  # out of the fast tier (its budget); the full suite runs it
 def test_float8_weights_go_to_their_region_unbuilt_and_are_built_where_a_block_runs_inline():
     """A float8 block's weights enter its region straight from the all-gather (``capture.forward.Deferred``: the
     Float8TrainingTensor is never built at top level), and a block of that kind that runs inline builds its own

@@ -118,6 +118,7 @@ def test_one_rank_has_no_copies_under_inductor(gloo_world_1, compiled_models, no
     check_graphs(compiled, len(list(compiled.parameters())), cast=False)
 
 
+@pytest.mark.slow  # out of the fast tier (its budget); the full suite runs it
 def test_one_rank_accumulation_without_sync(gloo_world_1, compiled_models):
     """``set_requires_gradient_sync(False)`` for three micro-batches, then one that syncs, on one rank in bf16
     (FSDP2 keeps the unsharded gradients in the reduce dtype): bitwise as eager FSDP2, and neither the

@@ -56,7 +56,8 @@ def test_planner_prediction_matches_graph_simulation(config):
         assert planner["step_s"] <= graph["step_time"] < 2 * planner["step_s"]
 
 
-@pytest.mark.parametrize("config", [{"bucket": "fsdp_group", "reorder": False}, {}], ids=["as_placed", "planned"])
+@pytest.mark.parametrize("config", [pytest.param({"bucket": "fsdp_group", "reorder": False}, marks=pytest.mark.slow), {}],
+                         ids=["as_placed", "planned"])  # as_placed: out of the fast tier (its budget)
 def test_graph_estimated_again_only_where_the_schedule_moved_something(config, monkeypatch):
     """``run_passes`` simulates a graph before the schedule's moves and again after them: a graph the schedule
     moved nothing in is estimated once, its record's "after" the "before"."""

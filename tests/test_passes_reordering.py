@@ -153,6 +153,7 @@ def _replicated_llama():
     return replicate(m)
 
 
+@pytest.mark.slow  # out of the fast tier (its budget); the full suite runs it
 def test_sink_defers_a_replicate_all_reduce():
     """replicate (FSDP2's DDP): a one-rank group has no reduce-scatter, its gradients' all-reduce is the unit's
     reduction, and a sink defers its wait as a reduce-scatter's (before, every all-reduce was waited at once:

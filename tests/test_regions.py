@@ -216,7 +216,7 @@ def _hf_llama_step(use_cache: bool):
     return m, compiled
 
 
-@pytest.mark.parametrize("use_cache", [False, True])
+@pytest.mark.parametrize("use_cache", [False, pytest.param(True, marks=pytest.mark.slow)])  # True: out of the fast tier
 def test_hf_llama_layers_share_a_region(traces, schemas, use_cache):
     """HF decoder layers each carry their own layer_idx, so each is passed in. Without a KV cache the first
     layer's trace is stamped out for the others (it reads no layer_idx); a cache's update reads it and
@@ -739,6 +739,7 @@ def test_tp_blocks_share_a_region(gloo_world_1):
             assert torch.equal(p.grad.to_local(), q.grad.to_local())
 
 
+@pytest.mark.slow  # out of the fast tier (its budget); the full suite runs it
 def test_what_a_tp_llama_step_guards(gloo_world_1):
     """A compiled step guards each block's own state (its shards, the dicts its parameters are swapped into, the
     attributes its region's trace may read), not what is fixed for the life of its code object: the parameters'

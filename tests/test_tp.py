@@ -183,6 +183,7 @@ def _per_param_mesh_llama():
     return m
 
 
+@pytest.mark.slow  # out of the fast tier (its budget); the full suite runs it
 def test_per_parameter_meshes_one_unit_per_group():
     """A module whose parameters FSDP2 keeps on two meshes (torchtitan's MoE blocks under expert parallelism)
     is two groups, named by the module and module@mesh dim: each one all-gather over its own process group,
@@ -223,7 +224,8 @@ def test_per_parameter_meshes_one_unit_per_group():
     assert units == [(k,) for k in keys] and issue_at["layers.1"] == issue_at["layers.1@efsdp"] == "layers.0"
 
 
-@pytest.mark.parametrize("all_gather", [True, False], ids=["float8_all_gather", "bf16_all_gather"])
+@pytest.mark.parametrize("all_gather", [True, pytest.param(False, marks=pytest.mark.slow)],  # False: out of the fast tier
+                         ids=["float8_all_gather", "bf16_all_gather"])
 def test_llama_float8_tensor_parallel_gathers_float8_activations(all_gather):
     """``models.tensor_parallel(float8=True)`` (``bench/scale_sim.py --tp --float8``, issue 46): torchao's float8
     TP styles on torchtitan's Llama plan compile as one graph, FSDP's all-gathers carry bytes (uint8) with the
