@@ -41,9 +41,11 @@ _nested_subclasses.py Dynamo's region checks unwrap a tensor        2.13.0, 2.14
                       float8 x TP: a DTensor of a Float8Training-
                       Tensor)
 _aot_cache.py         AOTAutograd's cache key cannot name Dynamo's  2.13.0          Dynamo names its trampolines
-                      trampoline for an autograd Function in the                    importably, and DeviceMesh pickles
-                      graph, and pickles a DeviceMesh input                         the same in every process
-                      differently in every process
+                      trampoline for an autograd Function in the                    importably, DeviceMesh pickles
+                      graph, and pickles a DeviceMesh input                         the same in every process, and the
+                      differently in every process; its node check                  node check admits value classes
+                      refuses a NamedTuple or frozen dataclass
+                      built in the graph (torchao's float8 configs)
 ====================  ============================================  ==============  ====================================
 
 Not here, because each is a decision that lives with the code it steers: ``_fsdp2.py`` (the one reader of

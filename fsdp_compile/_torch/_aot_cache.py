@@ -26,7 +26,7 @@
 ``keys()`` patches the first two only while our backend compiles; ``MARKED`` is the name AOTAutograd's node check
 reads for the trampoline (``torch._inductor.config.unsafe_marked_cacheable_functions``, set by the backend).
 Checked on 2.13.0 (``tests/test_compile_cache.py``). Goes when Dynamo names its trampolines importably (or
-keys the Function itself) and DeviceMesh pickles the same in every process.
+keys the Function itself), DeviceMesh pickles the same in every process and the node check admits value classes.
 """
 
 from __future__ import annotations
