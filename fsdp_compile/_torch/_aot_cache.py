@@ -83,18 +83,18 @@ def value_classes(gm: torch.fx.GraphModule) -> dict[str, str]:
     """The NamedTuples and frozen dataclasses that ``gm`` (or a subgraph of it) constructs, each as AOTAutograd's
     node check names it (``torch._inductor.config.unsafe_marked_cacheable_functions``) with its key; a class
     whose source cannot be read is left out (it bypasses, as before)."""
+    # each class once: a float8 block builds its configs at every Linear, and a class without source is not
+    # remembered by _class_key's cache (it raises), so each node would read its module's source again; in name
+    # order, as the names enter the cache key (a set's order differs from process to process: a warm start missed)
+    classes = {node.target for module in gm.modules() if isinstance(getattr(module, "graph", None), torch.fx.Graph)
+               for node in module.graph.nodes if node.op == "call_function" and isinstance(node.target, type)}
     out = {}
-    for module in gm.modules():
-        graph = getattr(module, "graph", None)
-        for node in graph.nodes if isinstance(graph, torch.fx.Graph) else ():
-            cls = node.target
-            if node.op != "call_function" or not isinstance(cls, type):
-                continue
-            named_tuple = issubclass(cls, tuple) and hasattr(cls, "_fields")
-            frozen = dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen
-            if named_tuple or frozen:
-                with contextlib.suppress(pickle.PicklingError):
-                    out[f"{cls.__module__}.{cls.__name__}"] = _class_key(cls)
+    for cls in sorted(classes, key=lambda c: (c.__module__, c.__qualname__)):
+        named_tuple = issubclass(cls, tuple) and hasattr(cls, "_fields")
+        frozen = dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen
+        if named_tuple or frozen:
+            with contextlib.suppress(pickle.PicklingError):
+                out[f"{cls.__module__}.{cls.__name__}"] = _class_key(cls)
     return out
 
 

@@ -73,9 +73,9 @@ def _hook_gradient(tensor: torch.Tensor, index: int) -> torch.Tensor:
             name = f"{getattr(hook, '__module__', '?')}.{getattr(hook, '__qualname__', repr(hook))}"
             raise HookRefused(
                 f"fsdp_compile: the post-accumulate-grad hook {name}, registered on an FSDP parameter in forward, "
-                f"cannot run on that parameter's gradient in the backward graph ({quoted(e)}): make it read and write param.grad "
-                "alone (tensor ops and synchronous dist.all_reduce), or register it on the sharded parameter before "
-                "fsdp_compile.compile, or train this model with eager FSDP2") from e
+                f"cannot run on that parameter's gradient in the backward graph ({quoted(e)}): make it read and "
+                "write param.grad alone (tensor ops and synchronous dist.all_reduce), or register it on the sharded "
+                "parameter before fsdp_compile.compile, or train this model with eager FSDP2") from e
         finally:
             dist.all_reduce = saved
         return box.grad
