@@ -42,6 +42,7 @@ import torch
 from torch import Tensor
 
 from fsdp_compile import _one_rank as one_rank  # registers own_copy, as K its ops
+from fsdp_compile import _payloads as payload_copies  # registers pack_payloads, unpack_payloads, as K
 from fsdp_compile import kernels as K  # registers the copy ops: a graph from the compile caches calls them untraced
 from fsdp_compile._annotations import REDUCE_SCATTER, UNSHARD, annotate
 from fsdp_compile._layout import add_partials, padded_rows, rank_rows, shard_views
@@ -176,16 +177,14 @@ def _rank_of_rows(dim0s: Sequence[int], local_rows: Sequence[int], world_size: i
 # --- the decompositions: what the compiled graphs hold ------------------------------------------------
 
 
-def _copy_in(shards: Sequence[Tensor], dim0s: Sequence[int], world_size: int, dtype) -> Tensor:
-    # out: [sum(n_i)], n_i = ceil(d_i / W) * prod(S_i[1:])
-    flats = []
-    for shard, d in zip(shards, dim0s):
-        c = padded_rows(d, world_size)
-        x = shard.to(dtype) if dtype is not None else shard
-        if x.shape[0] != c:  # uneven dim-0 sharding: zero rows at the end, as FSDP2 pads
-            x = torch.constant_pad_nd(x, [0, 0] * (x.dim() - 1) + [0, c - x.shape[0]])
-        flats.append(x.reshape(-1))
-    return torch.cat(flats) if len(flats) > 1 else flats[0].clone()
+def _padded(shard: Tensor, dim0: int, world_size: int, dtype) -> Tensor:
+    """One plain parameter's all-gather input in a unit with extensions: its shard cast to ``dtype`` (None:
+    keep) and padded with zero rows to ceil(dim0 / W), as FSDP2 pads an uneven dim-0 shard."""
+    c = padded_rows(dim0, world_size)
+    x = shard.to(dtype) if dtype is not None else shard
+    if x.shape[0] != c:
+        x = torch.constant_pad_nd(x, [0, 0] * (x.dim() - 1) + [0, c - x.shape[0]])
+    return x
 
 
 def to_device(shards: Sequence[Tensor], c: Comm) -> list[Tensor]:
@@ -249,42 +248,20 @@ def _unshard_payloads(shards: Sequence[Tensor], args: UnshardArgs, payloads: Seq
     c, world_size = args.comm, args.comm.world_size
     if world_size == 1:  # nothing to gather: each input as it is (_one_rank.payloads)
         return one_rank.payloads(shards, args, payloads)
-    pieces, kinds, it = [], [], iter(payloads)
+    pieces, it = [], iter(payloads)
+    for shard, d, n in zip(shards, args.dim0s, args.payloads):
+        pieces += [_padded(shard, d, world_size, args.param_dtype)] if n == 0 else [next(it) for _ in range(n)]
+    # packed, as bytes where dtypes differ, and unpacked by one op each (``_payloads`` says why ops)
+    chunks = iter(payload_copies.unpack(_all_gather(payload_copies.pack(pieces), c), pieces, world_size))
+    outs = []
     for shard, d, n in zip(shards, args.dim0s, args.payloads):
         if n == 0:
-            pieces.append(_copy_in([shard], [d], world_size, args.param_dtype))
-            kinds.append((tuple(shard.shape[1:]), d))
-        else:
-            for _ in range(n):
-                t = next(it)
-                pieces.append(t.reshape(-1))
-                kinds.append(tuple(t.shape))
-    # bytes where dtypes differ, as FSDP2 packs them, and always for float8 (gloo has no float8 type)
-    packed = len({p.dtype for p in pieces}) > 1 or any(p.dtype.is_floating_point and p.dtype.itemsize == 1 for p in pieces)
-    flats = [p.view(torch.uint8) for p in pieces] if packed else pieces
-    # The copies as the ops unshard_impl's plain units use (it says why), each piece a segment of its elements
-    # on every rank (no padding: each rank's piece is already padded), with their torch implementation, FSDP2's
-    # own copies (the Triton kernels take no bytes). Traced as torch ops (a cat; per piece a slice, a copy and
-    # views) they were about 80 of a float8 Llama layer's 145 nodes in the forward graph, 80 of 139 in the backward.
-    full_shapes = [(world_size * f.numel(),) for f in flats]
-    flat = K.all_gather_copy_in(flats, full_shapes, world_size, 0, impl="torch")
-    chunks = K.all_gather_copy_out(_all_gather(flat, c), full_shapes, world_size, impl="torch")
-    outs, k = [], 0
-    for shard, d, n in zip(shards, args.dim0s, args.payloads):
-        for _ in range(max(n, 1)):
-            piece, kind, chunk = pieces[k], kinds[k], chunks[k]
-            if packed:
-                chunk = chunk.view(piece.dtype)  # a new buffer per piece: aligned
-            if n == 0:
-                tail, rows = kind
-                full = chunk.view(world_size * padded_rows(rows, world_size), *tail)
-                outs.append(full[:rows] if full.shape[0] != rows else full)
-            else:
-                outs.append(chunk.view(-1, *kind[1:]))
-            k += 1
-        if n:
-            shape = (d, *shard.shape[1:])
-            outs.append(torch.empty_strided(shape, (0,) * len(shape), dtype=args.param_dtype or shard.dtype, device=shard.device))
+            full = next(chunks)
+            outs.append(full[:d] if full.shape[0] != d else full)
+            continue
+        outs += [next(chunks) for _ in range(n)]
+        shape = (d, *shard.shape[1:])
+        outs.append(torch.empty_strided(shape, (0,) * len(shape), dtype=args.param_dtype or shard.dtype, device=shard.device))
     return outs
 
 

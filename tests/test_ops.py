@@ -7,7 +7,7 @@ import torch.distributed as dist
 import fsdp_compile  # noqa: F401  (registers the ops)
 from fsdp_compile._layout import padded_rows
 from fsdp_compile import kernels as K
-from fsdp_compile.ops import Comm, Reduction, ReduceScatterArgs, UnshardArgs, _copy_in
+from fsdp_compile.ops import Comm, Reduction, ReduceScatterArgs, UnshardArgs, _padded
 
 SHAPES = [(5, 3), (1,), (7,), (2, 4, 3), (8, 2)]
 
@@ -39,18 +39,54 @@ def test_all_gather_layout_matches_fsdp2(world_size, dtype):
     flats = []
     for rank in range(world_size):
         shards = [local_shard(f, world_size, rank) for f in fulls]
-        # the op the graphs hold (its torch implementation, as on CPU), and the traced copy-in of units with
-        # all-gather extensions
+        # the op the graphs hold (its torch implementation, as on CPU), and the copy-in of units with
+        # all-gather extensions (their plain parameters padded, then packed)
         ours = K.all_gather_copy_in(shards, [tuple(f.shape) for f in fulls], world_size, rank, dtype=dtype, impl="torch")
         assert torch.equal(ours, fsdp_copy_in(shards, dim0s, world_size, rank, dtype or torch.float32))
-        assert torch.equal(_copy_in(shards, dim0s, world_size, dtype), ours)
+        padded = [_padded(s, d, world_size, dtype) for s, d in zip(shards, dim0s)]
+        assert torch.equal(torch.ops.fsdp_compile.pack_payloads(padded, False), ours)
         flats.append(ours)
     # an all-gather concatenates rank-major; copy-out (the op the graphs hold) gives the full parameters
-    # back, padding trimmed
+    # back, padding trimmed; the extension units' copy-out gives them padded
     gathered = torch.cat(flats)
     outs = K.all_gather_copy_out(gathered, [tuple(f.shape) for f in fulls], world_size, impl="torch")
-    for out, full in zip(outs, fulls):
+    shapes = [(world_size * padded_rows(f.shape[0], world_size), *f.shape[1:]) for f in fulls]
+    flat_shapes, ndims = [n for s in shapes for n in s], [len(s) for s in shapes]
+    names = ",".join([str(gathered.dtype).removeprefix("torch.")] * len(fulls))
+    unpacked = torch.ops.fsdp_compile.unpack_payloads(gathered, world_size, names, flat_shapes, ndims)
+    for out, full, padded_full in zip(outs, fulls, unpacked):
         assert torch.equal(out, full.to(dtype) if dtype else full)
+        assert torch.equal(padded_full[: full.shape[0]], out)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_payloads_of_several_dtypes_travel_as_bytes(world_size):
+    """The copies of a unit with all-gather extensions (torchao float8: float8 data, a 0-dim fp32 scale, plain
+    fp32 parameters beside them): each rank's pieces packed as bytes, gathered rank-major, and unpacked into
+    every piece's dtype and gathered shape, bit for bit, each in memory of its own."""
+    def pieces(rank):
+        g = torch.Generator().manual_seed(rank)
+        return [torch.randn(3, 4, generator=g).to(torch.float8_e4m3fn), torch.rand((), generator=g),
+                torch.randn(2, 5, generator=g, dtype=torch.bfloat16), torch.randn(3, generator=g)]
+
+    ranks = [pieces(r) for r in range(world_size)]
+    packed = [torch.ops.fsdp_compile.pack_payloads(p, True) for p in ranks]
+    assert packed[0].dtype == torch.uint8 and packed[0].numel() == 12 + 4 + 20 + 12
+    shapes = [(world_size * p.shape[0], *p.shape[1:]) if p.dim() else (world_size,) for p in ranks[0]]
+    flat_shapes, ndims = [n for s in shapes for n in s], [len(s) for s in shapes]
+    names = ",".join(str(p.dtype).removeprefix("torch.") for p in ranks[0])
+    outs = torch.ops.fsdp_compile.unpack_payloads(torch.cat(packed), world_size, names, flat_shapes, ndims)
+    for i, out in enumerate(outs):
+        want = torch.cat([r[i].reshape(-1, *r[i].shape[1:]) for r in ranks])
+        assert out.dtype == want.dtype and out.shape == want.shape
+        assert torch.equal(out.view(torch.uint8), want.view(torch.uint8)), i
+    assert len({o.untyped_storage().data_ptr() for o in outs}) == len(outs)
+    # the op contract, without the float8 piece (opcheck compares outputs with arithmetic float8 has not on CPU)
+    rest = [r[1:] for r in ranks]
+    torch.library.opcheck(torch.ops.fsdp_compile.pack_payloads.default, (rest[0], True))
+    gathered = torch.cat([torch.ops.fsdp_compile.pack_payloads(r, True) for r in rest])
+    torch.library.opcheck(torch.ops.fsdp_compile.unpack_payloads.default,
+                          (gathered, world_size, names.split(",", 1)[1], flat_shapes[2:], ndims[1:]))
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4, 8])
