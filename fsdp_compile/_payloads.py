@@ -40,10 +40,13 @@ def pack(pieces: Sequence[Tensor]) -> Tensor:
 def unpack(gathered: Tensor, pieces: Sequence[Tensor], world_size: int) -> list[Tensor]:
     """Every piece of ``pack(pieces)`` on each of ``world_size`` ranks, gathered: [W * rows, *rest] (FSDP2's
     unflatten; a 0-dim piece [W]), of the piece's dtype, in memory of its own."""
+    return torch.ops.fsdp_compile.unpack_payloads(gathered, world_size, *unpack_arguments(pieces, world_size))
+
+
+def unpack_arguments(pieces: Sequence[Tensor], world_size: int) -> tuple[str, list, list[int]]:
+    """``unpack_payloads``' arguments after ``world_size``: the pieces' dtype names and gathered shapes."""
     shapes = [(world_size * p.shape[0], *p.shape[1:]) if p.dim() else (world_size,) for p in pieces]
-    flat_shapes, ndims = flatten_shapes(shapes)
-    dtypes = ",".join(str(p.dtype).removeprefix("torch.") for p in pieces)
-    return torch.ops.fsdp_compile.unpack_payloads(gathered, world_size, dtypes, flat_shapes, ndims)
+    return (",".join(str(p.dtype).removeprefix("torch.") for p in pieces), *flatten_shapes(shapes))
 
 
 def _pack(pieces: list[Tensor], as_bytes: bool) -> Tensor:
@@ -58,11 +61,19 @@ def _pack_fake(pieces, as_bytes):
 def _unpack(gathered: Tensor, world_size: int, dtypes: str, flat_shapes, ndims) -> list[Tensor]:
     """The pieces out of the all-gather output (rank-major: each rank's packed buffer in turn): one
     ``split_with_sizes_copy`` of the buffer viewed [W, N], FSDP2's copy-out, then views of each piece's."""
-    pieces = list(zip(_dtypes(dtypes), unflatten_shapes(flat_shapes, ndims)))
-    n = [math.prod(shape) // world_size * dtype.itemsize // gathered.dtype.itemsize for dtype, shape in pieces]  # per rank
+    pieces, n = _plan(dtypes, tuple(flat_shapes), tuple(ndims), world_size, gathered.dtype)
     outs = [gathered.new_empty((world_size, k)) for k in n]
     torch.split_with_sizes_copy(gathered.view(world_size, -1), n, dim=1, out=outs)
     return [(out.view(dtype) if dtype != gathered.dtype else out).view(shape) for out, (dtype, shape) in zip(outs, pieces)]
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan(dtypes: str, flat_shapes: tuple, ndims: tuple, world_size: int, buffer_dtype: torch.dtype) -> tuple:
+    """Once per call site (as the kernels' ``_plan``; ``_unpack`` runs at every step): each piece's dtype and
+    gathered shape, and its elements of the buffer per rank."""
+    pieces = tuple(zip(_dtypes(dtypes), unflatten_shapes(flat_shapes, ndims)))
+    n = [math.prod(shape) // world_size * dtype.itemsize // buffer_dtype.itemsize for dtype, shape in pieces]
+    return pieces, n
 
 
 def _unpack_fake(gathered, world_size, dtypes, flat_shapes, ndims):

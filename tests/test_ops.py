@@ -6,6 +6,7 @@ import torch.distributed as dist
 
 import fsdp_compile  # noqa: F401  (registers the ops)
 from fsdp_compile._layout import padded_rows
+from fsdp_compile import _payloads as payload_copies
 from fsdp_compile import kernels as K
 from fsdp_compile.ops import Comm, Reduction, ReduceScatterArgs, UnshardArgs, _padded
 
@@ -50,10 +51,7 @@ def test_all_gather_layout_matches_fsdp2(world_size, dtype):
     # back, padding trimmed; the extension units' copy-out gives them padded
     gathered = torch.cat(flats)
     outs = K.all_gather_copy_out(gathered, [tuple(f.shape) for f in fulls], world_size, impl="torch")
-    shapes = [(world_size * padded_rows(f.shape[0], world_size), *f.shape[1:]) for f in fulls]
-    flat_shapes, ndims = [n for s in shapes for n in s], [len(s) for s in shapes]
-    names = ",".join([str(gathered.dtype).removeprefix("torch.")] * len(fulls))
-    unpacked = torch.ops.fsdp_compile.unpack_payloads(gathered, world_size, names, flat_shapes, ndims)
+    unpacked = payload_copies.unpack(gathered, padded, world_size)  # the last rank's padded pieces: every rank's shapes
     for out, full, padded_full in zip(outs, fulls, unpacked):
         assert torch.equal(out, full.to(dtype) if dtype else full)
         assert torch.equal(padded_full[: full.shape[0]], out)
@@ -70,12 +68,9 @@ def test_payloads_of_several_dtypes_travel_as_bytes(world_size):
                 torch.randn(2, 5, generator=g, dtype=torch.bfloat16), torch.randn(3, generator=g)]
 
     ranks = [pieces(r) for r in range(world_size)]
-    packed = [torch.ops.fsdp_compile.pack_payloads(p, True) for p in ranks]
+    packed = [payload_copies.pack(p) for p in ranks]
     assert packed[0].dtype == torch.uint8 and packed[0].numel() == 12 + 4 + 20 + 12
-    shapes = [(world_size * p.shape[0], *p.shape[1:]) if p.dim() else (world_size,) for p in ranks[0]]
-    flat_shapes, ndims = [n for s in shapes for n in s], [len(s) for s in shapes]
-    names = ",".join(str(p.dtype).removeprefix("torch.") for p in ranks[0])
-    outs = torch.ops.fsdp_compile.unpack_payloads(torch.cat(packed), world_size, names, flat_shapes, ndims)
+    outs = payload_copies.unpack(torch.cat(packed), ranks[0], world_size)
     for i, out in enumerate(outs):
         want = torch.cat([r[i].reshape(-1, *r[i].shape[1:]) for r in ranks])
         assert out.dtype == want.dtype and out.shape == want.shape
@@ -86,7 +81,7 @@ def test_payloads_of_several_dtypes_travel_as_bytes(world_size):
     torch.library.opcheck(torch.ops.fsdp_compile.pack_payloads.default, (rest[0], True))
     gathered = torch.cat([torch.ops.fsdp_compile.pack_payloads(r, True) for r in rest])
     torch.library.opcheck(torch.ops.fsdp_compile.unpack_payloads.default,
-                          (gathered, world_size, names.split(",", 1)[1], flat_shapes[2:], ndims[1:]))
+                          (gathered, world_size, *payload_copies.unpack_arguments(rest[0], world_size)))
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4, 8])

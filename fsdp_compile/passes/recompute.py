@@ -88,7 +88,7 @@ def _param_only(node: fx.Node, derived: set[fx.Node]) -> bool:
         return True
     if not isinstance(node.target, torch._ops.OpOverload):
         return False
-    if node.target.name() in ("fsdp_compile::all_gather_copy_out", "fsdp_compile::unpack_payloads"):  # our copy-outs (ops.py)
+    if node.target.name() in ("fsdp_compile::all_gather_copy_out", "fsdp_compile::unpack_payloads"):  # our copy-outs (kernels/, _payloads.py)
         return True
     return node.target.namespace in ("aten", "prims") and torch.Tag.nondeterministic_seeded not in node.target.tags
 
